@@ -1,0 +1,106 @@
+"""What a rollout engine returns, and the protocol every engine (local, SGLang) implements.
+
+Routed-expert convention (same as SGLang's `return_routed_experts`): one row per token *fed* to the model, i.e.
+positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never an input), shape
+[prompt + response - 1, num_moe_layers, topk], stored compactly (uint8 when experts <= 256, else int16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings for one `generate` call."""
+
+    max_new_tokens: int = 64
+    """Most response tokens per sample."""
+    temperature: float = 1.0
+    """Softmax temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1 = off)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Sampling stops after any of these tokens; the stop token is part of the response."""
+    n: int = 1
+    """Samples per prompt (the group size G); outputs are grouped contiguously per prompt."""
+    seed: int | None = None
+    """Sampling seed (None: engine default)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be > 0")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.n <= 0:
+            raise ValueError(f"rollout.n={self.n} must be > 0")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
+class Rollout:
+    """One sampled response to one prompt."""
+
+    prompt_ids: list[int]
+    """Prompt token ids."""
+    response_ids: list[int]
+    """Generated token ids (the stop token included when finish_reason == 'stop')."""
+    logprobs: list[float]
+    """The engine's log-prob of each response token (same length as response_ids)."""
+    finish_reason: str
+    """'stop' (a stop token), 'length' (max_new_tokens) or 'abort'."""
+    prompt_index: int = 0
+    """Index of the prompt in the `generate` call (the group id)."""
+    routed_experts: torch.Tensor | None = None
+    """[prompt + response - 1, layers, topk] uint8/int16 expert ids, when the engine records routing (R3)."""
+    weight_version: int = 0
+    """Policy version that produced the sample."""
+    extra: dict = field(default_factory=dict)
+    """Engine-specific details (e.g. server URL)."""
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"rollout has {len(self.response_ids)} response tokens but {len(self.logprobs)} log-probs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason={self.finish_reason!r} must be one of {FINISH_REASONS}")
+
+
+def compact_expert_dtype(num_experts: int) -> torch.dtype:
+    """Smallest dtype that holds expert ids: uint8 for <= 256 experts, else int16."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    raise ValueError(f"{num_experts} experts do not fit int16 routing storage")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A source of rollouts: the in-process engine on CPU, SGLang servers on GPU clusters."""
+
+    weight_version: int
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        """`sampling.n` rollouts per prompt, grouped contiguously in prompt order."""
+        ...
+
+    def update_weights(self, model_chunks: list, version: int) -> None:
+        """Makes the engine sample from the trainer's current weights, tagged `version`."""
+        ...
+
+    def close(self) -> None:
+        """Releases servers / memory; safe to call twice."""
+        ...

@@ -1,0 +1,16 @@
+import os
+
+import pytest
+import torch
+
+# Two cores on CI: keep intra-op threads low so spawned ranks do not oversubscribe.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
