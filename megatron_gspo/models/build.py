@@ -1,0 +1,200 @@
+"""Builds the Qwen3-MoE architecture as megatron-core GPTModel chunks for the current parallel layout.
+
+This is the one place where our `ModelConfig` becomes megatron's `TransformerConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+from megatron_gspo.models.config import ModelConfig
+from megatron_gspo.models.spec import HAVE_TE, qwen3_moe_block_spec
+from megatron_gspo.parallel.config import ParallelConfig
+
+
+@dataclass
+class BuildOptions:
+    """How the model is instantiated (beyond architecture and layout)."""
+
+    dtype: torch.dtype = torch.float32
+    """Parameter / compute dtype (bf16 on GPU clusters, fp32 on CPU)."""
+    recompute: str = "none"
+    """Activation recompute: none | selective | full."""
+    routing_replay: bool = False
+    """Build routers with megatron's RouterReplay enabled (R2 / R3)."""
+    use_te: bool | None = None
+    """Transformer-engine layer spec; None = when TE imports and CUDA is present."""
+    init_std: float = 0.02
+    """Std of the random initialisation (weights are usually loaded from a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"model.recompute={self.recompute!r} must be none, selective or full")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"model dtype {self.dtype} must be float32, bfloat16 or float16")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp (the LM head and embedding are split by rows over TP).
+
+    Padding is kept minimal on purpose: padded rows would otherwise enter the softmax of the log-prob kernel;
+    the trainer slices them off (see `valid_vocab_range`).
+    """
+    return -(-vocab_size // tp) * tp
+
+
+def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None) -> None:
+    """Raises ValueError naming the keys when `parallel` cannot split `model`."""
+    tp = parallel.tp
+    if model.num_attention_heads % tp:
+        raise ValueError(
+            f"parallel.tp={tp} does not divide model.num_attention_heads={model.num_attention_heads}"
+        )
+    if model.num_key_value_heads % tp:
+        raise ValueError(
+            f"parallel.tp={tp} does not divide model.num_key_value_heads={model.num_key_value_heads}; "
+            "use a tp that divides the KV heads"
+        )
+    if model.num_experts % parallel.ep:
+        raise ValueError(f"parallel.ep={parallel.ep} does not divide model.num_experts={model.num_experts}")
+    if model.moe_intermediate_size % parallel.etp:
+        raise ValueError(
+            f"parallel.etp={parallel.etp} does not divide model.moe_intermediate_size={model.moe_intermediate_size}"
+        )
+    chunks = parallel.pp * (parallel.virtual_pp or 1)
+    if model.num_hidden_layers % chunks:
+        raise ValueError(
+            f"parallel.pp={parallel.pp} (x virtual_pp={parallel.virtual_pp or 1}) does not divide "
+            f"model.num_hidden_layers={model.num_hidden_layers}"
+        )
+    if tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"parallel.tp={tp} with MoE layers requires parallel.sequence_parallel=true (megatron-core)"
+        )
+    if model.tie_word_embeddings:
+        raise ValueError("model.tie_word_embeddings=true is not supported: Qwen3-MoE checkpoints are untied")
+    if world_size is not None:
+        parallel.data_parallel_size(world_size)
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, options: BuildOptions) -> TransformerConfig:
+    """megatron TransformerConfig for Qwen3-MoE (REFERENCE.md §3)."""
+    on_cpu = not torch.cuda.is_available()
+    use_te = _use_te(options)
+    recompute = {}
+    if options.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif options.recompute == "selective":
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
+    aux = model.router_aux_loss_coef
+    return TransformerConfig(
+        num_layers=model.num_hidden_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_key_value_heads,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.moe_intermediate_size,
+        moe_ffn_hidden_size=model.moe_intermediate_size,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        # top-k of the logits then softmax over the k equals softmax-then-renormalise (norm_topk_prob).
+        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
+        moe_grouped_gemm=use_te,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_enable_routing_replay=options.routing_replay,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=options.init_std,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        # Same full-matrix init on every rank, then split: initial weights do not depend on the layout.
+        use_cpu_initialization=on_cpu,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=options.dtype,
+        pipeline_dtype=options.dtype,
+        bf16=options.dtype == torch.bfloat16,
+        fp16=options.dtype == torch.float16,
+        # Pipeline p2p shapes: the allgather dispatcher (CPU) needs fixed shapes per step; alltoall allows variable.
+        variable_seq_lengths=not on_cpu,
+        deallocate_pipeline_outputs=False,
+        **recompute,
+    )
+
+
+def _use_te(options: BuildOptions) -> bool:
+    if options.use_te is None:
+        return HAVE_TE and torch.cuda.is_available()
+    if options.use_te and not HAVE_TE:
+        raise ValueError("model.use_te=true but transformer-engine is not importable; install the 'gpu' extra")
+    return options.use_te
+
+
+def build_model(
+    model: ModelConfig, parallel: ParallelConfig, options: BuildOptions | None = None
+) -> list[GPTModel]:
+    """GPTModel chunks of this rank (one per virtual pipeline stage) with the Qwen3-MoE architecture.
+
+    Requires `megatron_gspo.parallel.initialize` to have set up the process groups for `parallel`.
+    """
+    options = options or BuildOptions()
+    validate_layout(model, parallel, torch.distributed.get_world_size())
+    config = transformer_config(model, parallel, options)
+    use_te = _use_te(options)
+    vpp = parallel.virtual_pp
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        n_local = get_num_layers_to_build(config, vp_stage=stage, pp_rank=pp_rank)
+        spec = qwen3_moe_block_spec(model.num_experts, n_local, use_te)
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(model.vocab_size, parallel.tp),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=int(model.rope_theta),
+            vp_stage=stage,
+        )
+        chunk.model_config = model
+        chunk.parallel_config = parallel
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks

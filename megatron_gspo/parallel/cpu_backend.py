@@ -1,0 +1,392 @@
+"""Makes megatron-core 0.16.x run on a CPU with the gloo backend.
+
+megatron-core assumes CUDA throughout: it allocates small bookkeeping tensors with `device="cuda"`, keeps its
+model-parallel RNG streams in CUDA generators, overlaps communication on CUDA streams and asserts CUDA tensor
+types in a few optimizer paths. None of that is essential to the math, so on a machine without CUDA we redirect
+it to the CPU. Every patch below says why it exists; all of them are applied by one explicit call, `apply()`,
+only when CUDA is absent, and only for the megatron-core versions they were written and tested against.
+
+Mechanism: megatron-core's own modules get a module-scoped stand-in for `torch` (`_CpuTorch`) whose tensor
+factories and `torch.cuda` namespace map CUDA onto the CPU. Code outside megatron-core (ours, torch itself,
+user code) is untouched. A handful of functions that cannot be fixed that way are replaced one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TESTED_VERSIONS = ("0.16.0", "0.16.1")
+"""megatron-core releases these patches were written and tested against."""
+
+# megatron-core modules that are imported before patching so their `torch` global can be redirected.
+_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router_replay",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.mlp",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.common.embeddings.language_model_embedding",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.inference.contexts.static_context",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+_FACTORIES = frozenset(
+    {
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "tensor",
+        "arange",
+        "randn",
+        "rand",
+        "randint",
+        "randperm",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty_strided",
+        "as_tensor",
+        "linspace",
+        "eye",
+    }
+)
+
+_applied = False
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare integer device index means a CUDA device to torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _to_cpu_kwargs(kwargs: dict) -> dict:
+    if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        # Pinned host memory needs a CUDA driver; plain host memory is what the CPU path uses anyway.
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _redirect_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **_to_cpu_kwargs(kwargs))
+
+    return wrapper
+
+
+def _device(*args, **kwargs):
+    # torch.device("cuda"), torch.device("cuda", 0), torch.device(0) -> the CPU.
+    if args and (_is_cuda_device(args[0]) or args[0] == "cuda"):
+        return torch.device("cpu")
+    return torch.device(*args, **kwargs)
+
+
+def _autocast(device_type: str = "cpu", *args, **kwargs):
+    # megatron's schedules autocast with device_type "cuda"; bf16 autocast exists on the CPU too.
+    return torch.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+class _Stream:
+    """Stand-in for torch.cuda.Stream: CPU ops run in program order, so waits and records are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _Event()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Event(_Stream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, *args, **kwargs):
+        return 0.0
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """Stand-in for `torch.cuda` inside megatron-core: the CPU is device 'cpu', streams are synchronous."""
+
+    def __init__(self, real):
+        super().__init__()
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    # Device queries: tensors created with device=torch.cuda.current_device() land on the CPU.
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+    @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def set_device(*args, **kwargs):
+        pass
+
+    # Streams and events: CPU execution is already ordered.
+    Stream = _Stream
+    Event = _Event
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return _Stream()
+
+    @staticmethod
+    def default_stream(*args, **kwargs):
+        return _Stream()
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+    # Memory statistics are reported by megatron's logging helpers; there is no device memory to report.
+    @staticmethod
+    def memory_allocated(*args, **kwargs):
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(*args, **kwargs):
+        return 0
+
+    @staticmethod
+    def memory_reserved(*args, **kwargs):
+        return 0
+
+    @staticmethod
+    def max_memory_reserved(*args, **kwargs):
+        return 0
+
+    # RNG: the "CUDA" generator of the CPU path is the CPU default generator.
+    @staticmethod
+    def manual_seed(seed):
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed):
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def get_rng_state(*args, **kwargs):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, *args, **kwargs):
+        torch.set_rng_state(state)
+
+    class nvtx:  # noqa: N801 - mirrors torch.cuda.nvtx
+        @staticmethod
+        def range_push(*args, **kwargs):
+            pass
+
+        @staticmethod
+        def range_pop(*args, **kwargs):
+            pass
+
+        @staticmethod
+        def range(*args, **kwargs):
+            return contextlib.nullcontext()
+
+
+class _CpuTorch(types.ModuleType):
+    """Module-scoped stand-in for `torch` inside megatron-core: CUDA devices become the CPU."""
+
+    def __init__(self, real):
+        super().__init__("torch")
+        self._real = real
+        self.cuda = _CpuCuda(real.cuda)
+        self.device = _device
+        self.autocast = _autocast
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        if name in _FACTORIES:
+            value = _redirect_factory(value)
+        # Cache so later lookups skip __getattr__ (megatron touches torch.* in hot loops).
+        object.__setattr__(self, name, value)
+        return value
+
+
+def _cpu_rng_tracker_add(self, name, seed):
+    """CudaRNGStatesTracker.add on the CPU generator (the CUDA generators do not exist)."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    orig = torch.get_rng_state()
+    torch.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(orig)
+
+
+@contextlib.contextmanager
+def _cpu_rng_tracker_fork(self, name="model-parallel-rng"):
+    """CudaRNGStatesTracker.fork on the CPU generator: swap the named state in, and back out afterwards."""
+    if name not in self.states_:
+        raise Exception(f"rng state {name} is not added")
+    orig = torch.get_rng_state()
+    torch.set_rng_state(self.states_[name])
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """clip_grads.clip_grad_by_total_norm_fp32 without the CUDA tensor-type assertion and multi-tensor kernel."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
+
+
+def _version() -> str:
+    import megatron.core
+
+    return getattr(megatron.core, "__version__", "unknown")
+
+
+def needed() -> bool:
+    """True when there is no usable CUDA device, i.e. when `apply()` would patch."""
+    return not torch.cuda.is_available()
+
+
+def apply(force: bool = False) -> bool:
+    """Patches megatron-core for CPU + gloo. Returns True when patches are in place.
+
+    A no-op (returning False) when CUDA is available, unless `force`. Idempotent: a second call only redirects
+    megatron-core modules imported since the first one. Raises RuntimeError for an untested megatron-core version.
+    """
+    global _applied
+    if not force and not needed():
+        return False
+    version = _version()
+    if version not in TESTED_VERSIONS:
+        raise RuntimeError(
+            f"megatron-gspo's CPU backend supports megatron-core {', '.join(TESTED_VERSIONS)}, found {version}; "
+            "install megatron-core==0.16.1 (pip install 'megatron-core==0.16.1') or run on a CUDA machine"
+        )
+    for name in _MODULES:
+        importlib.import_module(name)
+    _redirect_loaded_modules()
+    if _applied:
+        return True
+
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    # The model-parallel RNG tracker keeps per-stream states of CUDA generators; use CPU generator states.
+    tp_random.CudaRNGStatesTracker.add = _cpu_rng_tracker_add
+    tp_random.CudaRNGStatesTracker.fork = _cpu_rng_tracker_fork
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # 0.16.x bug: the router's gating GEMM references `te_general_gemm` even when transformer-engine's import
+    # failed, raising NameError; None selects its plain torch path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # Gradient clipping asserts `grad.type() == 'torch.cuda.FloatTensor'` and calls a CUDA multi-tensor kernel.
+    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+
+    _applied = True
+    log.info("megatron-core %s patched for CPU + gloo", version)
+    return True
+
+
+def _redirect_loaded_modules() -> None:
+    cpu_torch = None
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        if getattr(module, "torch", None) is torch:
+            cpu_torch = cpu_torch or _CpuTorch(torch)
+            module.torch = cpu_torch
+
+
+def is_applied() -> bool:
+    """Whether `apply()` has patched megatron-core in this process."""
+    return _applied
