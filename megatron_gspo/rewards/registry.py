@@ -1,0 +1,164 @@
+"""Reward functions by name, and the scorer that applies one to a batch without ever crashing the run.
+
+A reward function maps (response text, reference answer, meta) to a float. Built-ins register themselves
+under a name (`@register_reward("exact_match")`); a user function is named by its import path,
+`my_pkg.rewards:score`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RewardFn = Callable[[str, str, dict], float]
+"""(response text, reference answer, meta) -> reward."""
+
+logger = logging.getLogger(__name__)
+
+# Name -> function. Filled at import time by the built-in reward modules (imported by the package __init__)
+# and by user code that calls `register_reward`; nothing else writes to it.
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator that makes a reward function available to `get_reward(name)`."""
+    if not name or ":" in name:
+        raise ValueError(f"reward name {name!r} must be non-empty and contain no ':' (it marks module paths)")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        existing = _REGISTRY.get(name)
+        # Re-registering the same function (module reloaded) is harmless; another one would silently shadow.
+        if existing is not None and _qualname(existing) != _qualname(fn):
+            raise ValueError(f"reward {name!r} is already registered to {_qualname(existing)}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def registered_rewards() -> list[str]:
+    """Names usable with `get_reward`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_reward(name_or_path: str) -> RewardFn:
+    """The reward function registered as `name_or_path`, or imported from a `module:function` path."""
+    if ":" not in name_or_path:
+        fn = _REGISTRY.get(name_or_path)
+        if fn is None:
+            raise ValueError(
+                f"unknown reward {name_or_path!r}; registered: {', '.join(registered_rewards())} "
+                "(or give a user function as 'module:function')"
+            )
+        return fn
+    module_name, attr_path = _split_path(name_or_path)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or any error raised while the user's module runs
+        raise ValueError(
+            f"reward {name_or_path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from exc
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(
+                f"reward {name_or_path!r}: module {module_name!r} has no attribute {attr_path!r}"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward {name_or_path!r}: {attr_path!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def check_reward_spec(spec: str, key: str = "reward") -> None:
+    """Raises ValueError unless `spec` is a registered name or has the form `module:function`."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{key}={spec!r} must be a reward name or 'module:function'")
+    if ":" in spec:
+        _split_path(spec, key)
+    elif spec not in _REGISTRY:
+        raise ValueError(
+            f"{key}={spec!r} is not a registered reward; use one of {', '.join(registered_rewards())} "
+            "or 'module:function'"
+        )
+
+
+def _split_path(spec: str, key: str = "reward") -> tuple[str, str]:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path or ":" in attr_path:
+        raise ValueError(f"{key}={spec!r} must look like 'package.module:function'")
+    return module_name, attr_path
+
+
+def _qualname(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class RewardScorer:
+    """Applies a reward function to a batch; an item whose function raises or returns a non-finite value
+    scores 0.
+
+    Such items are counted (`num_errors` over the scorer's life, `last_metrics['reward_errors']` for the last
+    call) and the first one is logged with its traceback, once: a buggy reward must show up in the metrics,
+    not stop a multi-day run.
+    """
+
+    def __init__(self, fn: RewardFn | str, name: str | None = None) -> None:
+        self.fn: RewardFn = get_reward(fn) if isinstance(fn, str) else fn
+        self.name = name or (fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn)))
+        self.num_errors = 0
+        self.num_scored = 0
+        self.last_metrics: dict[str, float] = {}
+        self._logged_error = False
+
+    def score(
+        self, responses: Sequence[str], answers: Sequence[str], metas: Sequence[dict] | None = None
+    ) -> torch.Tensor:
+        """Rewards of the batch, float32 [B]; also sets `last_metrics` (reward_mean, reward_errors)."""
+        if metas is None:
+            metas = [{} for _ in responses]
+        if not len(responses) == len(answers) == len(metas):
+            raise ValueError(
+                f"score() got {len(responses)} responses, {len(answers)} answers and {len(metas)} metas; "
+                "they must line up one to one"
+            )
+        values = []
+        errors = 0
+        for index, (response, answer, meta) in enumerate(zip(responses, answers, metas)):
+            try:
+                value = float(self.fn(response, answer, meta))
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value}, not a finite number")
+            except Exception as exc:
+                errors += 1
+                self._log_first_error(index, response, exc)
+                value = 0.0
+            values.append(value)
+        self.num_errors += errors
+        self.num_scored += len(values)
+        rewards = torch.tensor(values, dtype=torch.float32)
+        self.last_metrics = {
+            "reward_mean": rewards.mean().item() if values else 0.0,
+            "reward_errors": float(errors),
+        }
+        return rewards
+
+    def _log_first_error(self, index: int, response: str, exc: Exception) -> None:
+        if self._logged_error:
+            return
+        self._logged_error = True
+        logger.warning(
+            "reward %r failed on batch item %d (response %.80r): %s: %s; it scores 0, and later failures are "
+            "only counted (metric reward_errors)",
+            self.name,
+            index,
+            response,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )

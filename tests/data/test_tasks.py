@@ -1,0 +1,69 @@
+"""Synthetic arithmetic tasks: correct answers, determinism, disjoint splits."""
+
+import pytest
+
+from megatron_gspo.data import TASKS, ArithmeticTask, CharTokenizer, load_tokenizer, make_task
+
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_items_have_fixed_width_prompts_and_correct_answers(name):
+    task = make_task(name, seed=1)
+    items = task.items("train", 200)
+    for item in items:
+        left, rest = item.prompt.split(task.op, 1)
+        assert rest.endswith("=")
+        right = rest[:-1]
+        assert len(left) == len(right) == task.digits  # zero-padded operands
+        assert item.answer == str(OPS[task.op](int(left), int(right)))
+    assert len({item.prompt for item in items}) == 200
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_default_char_tokenizer_covers_every_task_in_a_small_vocab(name):
+    tok = load_tokenizer("char")
+    assert tok.vocab_size == 16  # REFERENCE.md §8; the tiny model preset has 32
+    for item in make_task(name).items("heldout", 50):
+        assert tok.decode(tok.encode(item.prompt + item.answer)) == item.prompt + item.answer
+    assert set(make_task(name).alphabet) <= set(CharTokenizer().alphabet)
+
+
+def test_same_seed_same_items_other_seed_other_order():
+    a = make_task("add3", seed=5).items("train", 100)
+    assert a == make_task("add3", seed=5).items("train", 100)
+    assert a != make_task("add3", seed=6).items("train", 100)
+    # A larger request extends a smaller one (so a bigger train_size keeps the first prompts).
+    assert make_task("add3", seed=5).items("train", 150)[:100] == a
+    small = make_task("add2", seed=5)
+    assert small.items("train", 150)[:100] == small.items("train", 100)
+
+
+def test_train_and_heldout_never_share_prompts_whatever_the_seeds():
+    # add2 is small enough to take (nearly) every prompt of both splits.
+    task = make_task("add2", seed=0)
+    heldout = {item.prompt for item in task.items("heldout", 900)}
+    train = {item.prompt for item in make_task("add2", seed=1).items("train", 8000)}
+    assert not heldout & train
+    for name in ("add3", "sub3"):
+        heldout = {item.prompt for item in make_task(name, seed=2).items("heldout", 500)}
+        train = {item.prompt for item in make_task(name, seed=3).items("train", 5000)}
+        assert not heldout & train
+        assert 0 < len(heldout) and len(train) == 5000
+
+
+def test_subtraction_stays_non_negative_unless_allowed():
+    assert all(not item.answer.startswith("-") for item in make_task("sub3").items("train", 300))
+    negative = ArithmeticTask(digits=2, op="-", allow_negative=True).items("train", 300)
+    assert any(item.answer.startswith("-") for item in negative)
+
+
+def test_bad_requests_raise_clear_errors():
+    with pytest.raises(ValueError, match=r"task add2 has \d+ distinct heldout prompts, fewer than the 5000"):
+        make_task("add2").items("heldout", 5000)
+    with pytest.raises(ValueError, match="split 'test' must be one of"):
+        make_task("add2").items("test", 5)
+    with pytest.raises(ValueError, match="op '/' is not supported"):
+        ArithmeticTask(op="/")
+    with pytest.raises(ValueError, match="unknown task 'add9'; known tasks: add2, add3, add4, mul2, sub3"):
+        make_task("add9")
