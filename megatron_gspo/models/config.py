@@ -99,6 +99,9 @@ class ModelConfig:
             raise ValueError(f"mlp_only_layers={extra_dense} (dense layers) are not supported: every layer must be MoE")
         if data.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"decoder_sparse_step={data['decoder_sparse_step']} is not supported: it must be 1")
+        if "num_experts" not in data and "num_local_experts" in data:
+            # transformers 5 serialises Qwen3MoeConfig.num_experts as num_local_experts
+            data = {**data, "num_experts": data["num_local_experts"]}
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
         if "head_dim" not in kwargs:

@@ -1,0 +1,182 @@
+"""The Megatron side of a training step: DDP-wrapped model chunks, the megatron optimizer, and one
+forward/backward pass over micro-batches through `get_forward_backward_func` (pipeline schedules included).
+
+Loss normalisation: `calculate_per_token_loss=True` makes the schedule sum the per-micro-batch losses and the
+"token" counts that the loss function returns, all-reduce the counts over data-parallel ranks, and scale the
+gradients by 1 / total. Our loss functions return (sum of per-unit losses, number of units) where the unit is
+what the objective averages over (sequences for GSPO, tokens for token-mean GRPO), so the gradient is exactly
+that of the full-batch mean, whatever the micro-batch and data-parallel split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_gspo.models.build import BuildOptions, build_model
+from megatron_gspo.models.config import ModelConfig
+from megatron_gspo.parallel.config import ParallelConfig
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer settings (AdamW through megatron's optimizer)."""
+
+    optimizer: str = "adam"
+    """adam (AdamW: decoupled weight decay) or sgd."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the schedule."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.99
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    """Linear warm-up in optimizer steps."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optim.optimizer={self.optimizer!r} must be adam or sgd")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.clip_grad < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("optim.clip_grad, optim.weight_decay and optim.warmup_steps must be >= 0")
+
+
+def build_ddp_model(
+    model_cfg: ModelConfig, parallel: ParallelConfig, options: BuildOptions | None = None
+) -> list[DistributedDataParallel]:
+    """Model chunks wrapped in megatron's DDP (fp32 grad buffers, gradient reduction over DP ranks)."""
+    chunks = build_model(model_cfg, parallel, options)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        check_for_nan_in_grad=False,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        chunk.config.calculate_per_token_loss = True
+        ddp = DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Buckets of non-first chunks are not overlapped with compute on CPU anyway.
+            disable_bucketing=i > 0,
+        )
+        wrapped.append(ddp)
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    return wrapped
+
+
+def build_optimizer(chunks: list, optim: OptimConfig, dtype: torch.dtype = torch.float32):
+    """megatron optimizer (separate dense / expert param groups; fp32 master weights for bf16 models)."""
+    config = OptimizerConfig(
+        optimizer=optim.optimizer,
+        sgd_momentum=0.0,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.beta1,
+        adam_beta2=optim.beta2,
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=False,
+    )
+    opt = get_megatron_optimizer(config, chunks)
+    chunks[0].config.grad_scale_func = opt.scale_loss
+    return opt
+
+
+def unwrap(chunk):
+    """The GPTModel inside a DDP (or other) wrapper."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def forward_backward(
+    chunks: list,
+    micro_batches: Sequence,
+    forward_step: Callable,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+) -> list:
+    """Runs `forward_step(batch, model) -> (output, loss_func)` over `micro_batches` with megatron's schedule.
+
+    Returns the loss functions' reduced outputs (last pipeline stage; empty list elsewhere). Every micro-batch
+    must have `seq_length` tokens per row on the CPU path (the allgather dispatcher needs fixed p2p shapes).
+    """
+    fb = get_forward_backward_func()
+    n_chunks = len(chunks)
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        return forward_step(batch, model)
+
+    if n_chunks > 1:
+        iterators = [iter(list(micro_batches)) for _ in range(n_chunks)]
+    else:
+        iterators = iter(list(micro_batches))
+    for m in chunks:
+        if not forward_only:
+            m.zero_grad_buffer()
+    return fb(
+        forward_step_func=step,
+        data_iterator=iterators,
+        model=chunks if n_chunks > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def is_last_stage() -> bool:
+    """Whether this rank holds the LM head (the loss is computed here)."""
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:
+    """Sends a tensor computed on the last pipeline stage to every stage (same shape/dtype everywhere)."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    src = ps.get_pipeline_model_parallel_last_rank()
+    torch.distributed.broadcast(values, src=src, group=ps.get_pipeline_model_parallel_group())
+    return values
+
+
+__all__ = [
+    "OptimConfig",
+    "build_ddp_model",
+    "build_optimizer",
+    "forward_backward",
+    "unwrap",
+    "is_last_stage",
+    "broadcast_from_last_stage",
+]
