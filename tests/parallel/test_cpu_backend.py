@@ -38,7 +38,7 @@ def _patched_behaviour():
     except (RuntimeError, AssertionError):
         out["plain_cuda_raises"] = True
     # RNG tracker: named streams are reproducible, distinct, and leave the default stream alone.
-    tensor_parallel.model_parallel_cuda_manual_seed(11)
+    tensor_parallel.model_parallel_cuda_manual_seed(11, tp_rank=0, ep_rank=0, etp_rank=0)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     torch.manual_seed(0)
     before = torch.rand(3)
@@ -46,7 +46,7 @@ def _patched_behaviour():
     with tracker.fork():
         a = torch.rand(3)
     after = torch.rand(3)
-    tensor_parallel.model_parallel_cuda_manual_seed(11)
+    tensor_parallel.model_parallel_cuda_manual_seed(11, tp_rank=0, ep_rank=0, etp_rank=0)
     with tracker.fork():
         a2 = torch.rand(3)
     out.update(default_untouched=torch.equal(before, after), fork_reproducible=torch.equal(a, a2),
