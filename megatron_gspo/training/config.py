@@ -1,0 +1,305 @@
+"""One config schema for a run: typed dataclasses per component, YAML files, dot-list overrides.
+
+`load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.steps=50", "parallel.tp=2"])` reads the YAML, applies
+the overrides, rejects unknown keys (naming them and the known ones) and builds the dataclasses, whose
+`__post_init__` validate the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
+from megatron_gspo.data.config import DataConfig
+from megatron_gspo.models.config import PRESETS, ModelConfig, preset
+from megatron_gspo.parallel.config import ParallelConfig
+from megatron_gspo.training.optim_config import OptimConfig
+
+
+@dataclass
+class ModelSection:
+    """Which model to train and how it is instantiated."""
+
+    preset: str | None = "tiny"
+    """Named architecture (tiny | qwen3-30b-a3b); ignored when `hf_config` is set."""
+    hf_config: str | None = None
+    """Directory or config.json of a Hugging Face Qwen3-MoE checkpoint (architecture only)."""
+    overrides: dict = field(default_factory=dict)
+    """ModelConfig fields that replace the preset's (e.g. {num_hidden_layers: 2})."""
+    load: str | None = None
+    """Model checkpoint to start from (from `megatron-gspo convert hf-to-megatron` or `sft`)."""
+    dtype: str = "fp32"
+    """fp32 | bf16 | fp16 parameters and compute."""
+    recompute: str = "none"
+    """Activation recompute: none | selective | full."""
+
+    def __post_init__(self) -> None:
+        if self.hf_config is None and self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"model.dtype={self.dtype!r} must be fp32, bf16 or fp16")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"model.recompute={self.recompute!r} must be none, selective or full")
+
+    def model_config(self) -> ModelConfig:
+        """The architecture this section describes."""
+        if self.hf_config is not None:
+            base = dataclasses.asdict(ModelConfig.from_hf_config(self.hf_config))
+            return ModelConfig(**{**base, **self.overrides})
+        return preset(self.preset, **self.overrides)
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of the rollout batch."""
+
+    engine: str = "local"
+    """local (in-process, the training model) | sglang (servers; see rollout/sglang_config.py)."""
+    group_size: int = 8
+    """G: responses per prompt (Eq.5-6)."""
+    max_new_tokens: int = 8
+    """Most response tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (also used when recomputing log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    old_logprobs: str = "recompute"
+    """recompute (training engine forward) | engine (the rollout engine's log-probs; paper §5.4)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and top up from the next prompts."""
+    max_topup_rounds: int = 4
+    """Extra generation rounds allowed per step when dynamic sampling tops up."""
+    correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance correction between training and rollout engine log-probs."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("local", "sglang"):
+            raise ValueError(f"rollout.engine={self.engine!r} must be local or sglang")
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (advantages are group-relative)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 for RL sampling")
+        if self.old_logprobs not in ("recompute", "engine"):
+            raise ValueError(f"rollout.old_logprobs={self.old_logprobs!r} must be recompute or engine")
+        if self.max_topup_rounds < 0:
+            raise ValueError(f"rollout.max_topup_rounds={self.max_topup_rounds} must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (avg@n and pass@k)."""
+
+    every: int = 0
+    """Evaluate every N RL steps (0: only before and after training)."""
+    n: int = 4
+    """Samples per held-out prompt (the paper's AIME'24 metric uses 32)."""
+    temperature: float = 1.0
+    """Sampling temperature for eval (0 = greedy, then n is forced to 1)."""
+    max_prompts: int = 256
+    """Held-out prompts used."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.n < 1 or self.max_prompts < 1 or self.temperature < 0:
+            raise ValueError("eval.every >= 0, eval.n >= 1, eval.max_prompts >= 1 and eval.temperature >= 0 required")
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop."""
+
+    steps: int = 20
+    """RL steps (rollout batches)."""
+    prompts_per_step: int = 32
+    """Prompts per rollout batch (each sampled group_size times), over all data-parallel ranks."""
+    minibatches: int = 4
+    """Optimizer steps per rollout batch (paper §5.1: 4)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward micro-batch."""
+    seed: int = 1234
+    """Seed for model init, sampling and data order."""
+    run_dir: str = "runs/gspo"
+    """Where metrics, plots and checkpoints go."""
+    ckpt_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    save_final: bool = True
+    """Write a checkpoint when training ends."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1")
+        if self.ckpt_every < 0:
+            raise ValueError(f"trainer.ckpt_every={self.ckpt_every} must be >= 0")
+
+
+@dataclass
+class SFTConfig:
+    """Cold-start supervised fine-tuning (the paper starts RL from a cold-start SFT model)."""
+
+    max_steps: int = 400
+    """Upper bound on SFT steps."""
+    batch_size: int = 128
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    target_accuracy: float = 0.3
+    """Stop once held-out greedy accuracy reaches this (0 disables; REFERENCE.md §8: stop on accuracy)."""
+    eval_every: int = 25
+    """Steps between held-out checks."""
+    eval_prompts: int = 128
+    """Held-out prompts for the stopping check."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.batch_size < 1 or self.lr <= 0 or self.eval_every < 1:
+            raise ValueError("sft.max_steps, sft.batch_size, sft.eval_every must be >= 1 and sft.lr > 0")
+        if not 0 <= self.target_accuracy <= 1:
+            raise ValueError(f"sft.target_accuracy={self.target_accuracy} must be in [0, 1]")
+
+
+@dataclass
+class RunConfig:
+    """Everything a `megatron-gspo train | sft | eval` run needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    moe: dict = field(default_factory=dict)
+    """MoE options (routing replay, drift measurement); validated by megatron_gspo.moe when used."""
+    sglang: dict = field(default_factory=dict)
+    """SGLang engine options (rollout.engine=sglang); validated by megatron_gspo.rollout when used."""
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (YAML-serialisable)."""
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like key.sub=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ValueError(f"override {item!r} has an empty key")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"override {'.'.join(path)}: {part} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _resolve_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    tp = _resolve_type(tp)
+    if value is None or tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a section (mapping), got {value!r}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}={value!r} must be a string")
+        return value
+    if typing.get_origin(tp) is tuple or tp is tuple:
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+    if tp is dict or typing.get_origin(tp) is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(
+            f"unknown config key {where}{unknown[0]}; known keys under {prefix or 'the top level'}: "
+            f"{', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """RunConfig from a YAML file (optional) plus `key.sub=value` overrides; errors name the offending key."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: invalid YAML ({err})") from err
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections")
+        tree = loaded
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _set_path(tree, keys, value)
+    return _build(RunConfig, tree)
+
+
+def dump_run_config(cfg: RunConfig, path: str | Path) -> None:
+    """Writes the resolved config (what the run actually used) as YAML."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

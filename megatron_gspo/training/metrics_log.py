@@ -1,0 +1,132 @@
+"""Step metrics: reduction over micro-batches / ranks, metrics.jsonl, tensorboard, progress bar, summary.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.algorithms import combine_metrics
+
+# Loss metrics shown on the progress bar (the paper reports clip fractions split lower/upper).
+_BAR_KEYS = ("reward_mean", "clip_frac_low_tok", "clip_frac_high_tok")
+
+
+def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: dict, times: dict, batch) -> dict:
+    """One flat dict per RL step, identical on every rank (rank 0 writes it)."""
+    from megatron.core import parallel_state as ps
+
+    # Each data-parallel replica reports once: loss parts from its (TP rank 0) last pipeline stage, rollout
+    # statistics from its first model-parallel rank.
+    tp0 = ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    report_parts = tp0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+    report_rollout = tp0 and ps.get_pipeline_model_parallel_rank() == 0
+    local_parts = [u["loss_parts"] for u in updates if u["loss_parts"]] if report_parts else []
+    gathered = rt.gather_objects(
+        {
+            "parts": [{k: v.item() for k, v in p.items()} for p in local_parts],
+            "rollout": rollout_stats if report_rollout else None,
+        }
+    )
+    parts = [{k: torch.tensor(v) for k, v in p.items()} for g in gathered for p in g["parts"]]
+    out: dict = {}
+    if parts:
+        out.update({k: float(v) for k, v in combine_metrics(parts).items()})
+    # Equal-sized shares per data-parallel rank, so the mean of the replicas' means is the batch mean.
+    rollouts = [g["rollout"] for g in gathered if g["rollout"] is not None]
+    for key in rollouts[0]:
+        out[key] = sum(r[key] for r in rollouts) / len(rollouts)
+    out["grad_norm"] = sum(u["grad_norm"] for u in updates) / len(updates)
+    out["lr"] = updates[-1]["lr"]
+    out["skipped_steps"] = sum(u["skipped"] for u in updates)
+    out.update(mismatch)
+    out.update(times)
+    step_time = sum(times.values())
+    tokens = int(batch.tokens_NL.ne(rt.tokenizer.pad_id).sum()) * rt.dp.size
+    out["tokens_per_s"] = tokens / step_time if step_time > 0 else float("nan")
+    return out
+
+
+class _Bar:
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="GSPO", dynamic_ncols=True)
+
+    def update(self, metrics: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{metrics[k]:.3g}" for k in _BAR_KEYS if k in metrics})
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl (one line per step), eval.jsonl, tensorboard events and summary.json (rank 0)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mode = "a" if append else "w"
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", mode)
+        self.eval_file = open(self.run_dir / "eval.jsonl", mode)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        except Exception:  # noqa: BLE001 - tensorboard is optional at run time
+            self.tb = None
+
+    def progress(self, total: int, initial: int, enabled: bool) -> _Bar:
+        return _Bar(total, initial, enabled and self.enabled)
+
+    def _write(self, fh, step: int, metrics: dict, prefix: str) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        self._write(self.metrics_file, step, metrics, "train")
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        self._write(self.eval_file, step, metrics, "eval")
+
+    def write_summary(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2))
+        os.replace(tmp, self.run_dir / "summary.json")
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.metrics_file.close()
+        self.eval_file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v

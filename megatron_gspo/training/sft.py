@@ -1,0 +1,87 @@
+"""Cold-start supervised fine-tuning: teacher-forced cross-entropy on the reference answers.
+
+The paper starts RL from a cold-start SFT model. REFERENCE.md §8: on the synthetic task accuracy jumps suddenly,
+so the stage stops on a held-out accuracy target rather than a step count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from megatron_gspo.data.dataset import PromptSampler
+from megatron_gspo.training.batch import token_logprobs_from_logits
+from megatron_gspo.training.config import RunConfig
+from megatron_gspo.training.engine import forward_backward
+from megatron_gspo.training.evaluate import evaluate
+from megatron_gspo.training.optim_config import OptimConfig
+from megatron_gspo.training.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def _sft_batch(rt: Runtime, items) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, S+1] (prompt + answer + eos, right-padded) and a loss mask over answer + eos labels [B, S]."""
+    s = rt.seq_len
+    tokens = torch.full((len(items), s + 1), rt.tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), s), dtype=torch.bool)
+    for i, it in enumerate(items):
+        prompt = rt.encode_prompt(it.prompt)
+        answer = rt.tokenizer.encode(it.answer) + [rt.tokenizer.eos_id]
+        seq = (prompt + answer)[: s + 1]
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(prompt) - 1 : len(seq) - 1] = True
+    return tokens, mask
+
+
+def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
+    """Trains until held-out greedy accuracy >= sft.target_accuracy (or sft.max_steps); saves the model."""
+    s = cfg.sft
+    optim = OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, beta2=0.99, clip_grad=1.0)
+    rt = Runtime(cfg, optim, s.max_steps)
+    try:
+        sampler = PromptSampler(rt.train_data, s.batch_size, seed=cfg.data.seed + 17)
+        vocab = rt.model_config.vocab_size
+        positions = torch.arange(rt.seq_len).unsqueeze(0)
+        mbs = min(cfg.trainer.micro_batch_size, s.batch_size // rt.dp.size)
+        start, step, acc = time.time(), 0, 0.0
+        history = []
+        for step in range(1, s.max_steps + 1):
+            tokens, mask = _sft_batch(rt, rt.shard(next(sampler)))
+            micro = list(zip(tokens.split(mbs), mask.split(mbs)))
+
+            def fwd(mb, model):
+                toks, m = mb
+                out = model(toks[:, :-1], positions.expand(toks.shape[0], -1), None)
+
+                def reduce(logits):
+                    lp = token_logprobs_from_logits(logits, toks[:, 1:], m, vocab, 1.0)
+                    loss = -lp.token_logprobs.sum()
+                    return loss, m.sum().to(torch.int), {"nll_sum": loss.detach(), "tokens": m.sum().float()}
+
+                return out, reduce
+
+            parts = forward_backward(rt.chunks, micro, fwd, seq_length=rt.seq_len, micro_batch_size=mbs)
+            ok, grad_norm, _ = rt.optimizer.step()
+            if ok:
+                rt.scheduler.step(increment=1)
+            if parts:
+                nll = sum(float(p["nll_sum"]) for p in parts) / max(1.0, sum(float(p["tokens"]) for p in parts))
+                history.append({"step": step, "nll": nll})
+            if step % s.eval_every == 0 or step == s.max_steps:
+                rt.engine.update_weights(rt.models, step)
+                acc = evaluate(rt, seed=step, temperature=0.0, max_prompts=s.eval_prompts)["eval_accuracy"]
+                log.info("sft step %d: held-out greedy accuracy %.3f", step, acc)
+                if s.target_accuracy and acc >= s.target_accuracy:
+                    break
+        result = {"sft_steps": step, "sft_accuracy": acc, "sft_seconds": time.time() - start}
+        if out_dir:
+            from megatron_gspo.checkpoint.model_io import save_model_checkpoint
+
+            save_model_checkpoint(rt.models, out_dir, rt.model_config, metadata=result)
+            log.info("SFT model saved to %s", out_dir)
+        return result
+    finally:
+        rt.close()

@@ -1,0 +1,323 @@
+"""The GSPO RL loop (DESIGN.md "One RL step"), one named phase per method:
+
+    generate -> score -> advantages -> old_logprobs -> update (K minibatches) -> sync_weights -> evaluate -> checkpoint
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.algorithms import (
+    combine_metrics,
+    group_advantages,
+    make_policy_loss,
+    rollout_correction,
+)
+from megatron_gspo.data.dataset import PromptSampler
+from megatron_gspo.data.types import PromptItem
+from megatron_gspo.rewards.registry import RewardScorer
+from megatron_gspo.training.batch import RolloutBatch, pack_rollouts, token_logprobs_from_logits
+from megatron_gspo.training.checkpoint import CheckpointManager
+from megatron_gspo.training.config import RunConfig, dump_run_config
+from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
+from megatron_gspo.training.evaluate import evaluate
+from megatron_gspo.training.metrics_log import MetricsLogger, reduce_step_metrics
+from megatron_gspo.training.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class GSPOTrainer:
+    """Trains the policy with GSPO / GSPO-token / GRPO on rollouts from a RolloutEngine."""
+
+    def __init__(self, cfg: RunConfig, *, resume: bool = False):
+        self.cfg = cfg
+        t = cfg.trainer
+        total_optimizer_steps = t.steps * t.minibatches
+        self.rt = Runtime(cfg, cfg.optim, total_optimizer_steps)
+        if t.prompts_per_step % self.rt.dp.size:
+            raise ValueError(
+                f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel size "
+                f"{self.rt.dp.size}"
+            )
+        n_local = t.prompts_per_step // self.rt.dp.size * cfg.rollout.group_size
+        if n_local % t.minibatches or (n_local // t.minibatches) % min(t.micro_batch_size, n_local // t.minibatches):
+            raise ValueError(
+                f"each rank's rollout batch ({n_local} sequences) must split into trainer.minibatches={t.minibatches} "
+                f"minibatches of whole micro-batches (trainer.micro_batch_size={t.micro_batch_size})"
+            )
+        self.policy_loss = make_policy_loss(cfg.loss)
+        self.scorer = RewardScorer(cfg.data.reward)
+        self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
+        self.run_dir = Path(t.run_dir)
+        self.step = 0
+        self.history: list[dict] = []
+        self.summary: dict = {}
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=t.keep_last)
+        if self.rt.is_logging_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_run_config(cfg, self.run_dir / "config.yaml")
+        if resume:
+            self._resume()
+        self.logger = MetricsLogger(self.run_dir, enabled=self.rt.is_logging_rank, append=resume)
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Loop state saved with each checkpoint (beside model, optimizer and RNG states)."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "summary": self.summary}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.summary = dict(state.get("summary", {}))
+
+    def _resume(self) -> None:
+        path = self.ckpt.latest()
+        if path is None:
+            log.info("no checkpoint under %s: starting from scratch", self.ckpt.root)
+            return
+        state = self.ckpt.load(path, self.rt)
+        self.load_state_dict(state)
+        self.rt.engine.update_weights(self.rt.models, self.step)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ---- phases -----------------------------------------------------------------------------------------
+    def generate(self, items: list[PromptItem], seed: int):
+        """G rollouts per prompt from the rollout engine (this rank's prompts)."""
+        prompts = [self.rt.encode_prompt(it.prompt) for it in items]
+        sampling = self.rt.sampling(self.cfg.rollout.group_size, self.cfg.rollout.temperature, seed)
+        return self.rt.engine.generate(prompts, sampling)
+
+    def score(self, items: list[PromptItem], rollouts) -> torch.Tensor:
+        """Rewards [n_prompts * G]; reward-function errors count as 0 and are logged."""
+        g = self.cfg.rollout.group_size
+        responses = [self.rt.tokenizer.decode(r.response_ids) for r in rollouts]
+        answers = [items[i // g].answer for i in range(len(rollouts))]
+        metas = [{**items[i // g].meta, "finish_reason": r.finish_reason} for i, r in enumerate(rollouts)]
+        return self.scorer.score(responses, answers, metas)
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-relative advantages (Eq.6)."""
+        return group_advantages(rewards, self.cfg.rollout.group_size)
+
+    def collect(self, step_seed: int) -> tuple[RolloutBatch, dict]:
+        """generate -> score -> advantages, with dynamic sampling (drop zero-variance groups, top up)."""
+        r, g = self.cfg.rollout, self.cfg.rollout.group_size
+        items = self.rt.shard(next(self.sampler))
+        want = len(items)
+        rollouts = self.generate(items, step_seed)
+        rewards = self.score(items, rollouts)
+        groups = [(items[i], rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g]) for i in range(want)]
+        dropped = 0
+        if r.dynamic_sampling:
+            informative = [x for x in groups if x[2].max() > x[2].min()]
+            flat = [x for x in groups if not x[2].max() > x[2].min()]
+            dropped = len(flat)
+            rounds = 0
+            while len(informative) < want and rounds < r.max_topup_rounds:
+                rounds += 1
+                extra = self.sampler.next_items(want - len(informative))
+                ro = self.generate(extra, step_seed + 7919 * rounds)
+                rw = self.score(extra, ro)
+                for i, it in enumerate(extra):
+                    grp = (it, ro[i * g : (i + 1) * g], rw[i * g : (i + 1) * g])
+                    (informative if grp[2].max() > grp[2].min() else flat).append(grp)
+            # Every data-parallel rank keeps exactly `want` groups so micro-batch counts match across ranks;
+            # flat groups that fill the gap have zero advantage and contribute no gradient.
+            groups = (informative + flat)[:want]
+        items = [x[0] for x in groups]
+        rollouts = [ro for x in groups for ro in x[1]]
+        rewards = torch.cat([x[2] for x in groups])
+        adv = self.advantages(rewards)
+        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv)
+        lens = batch.response_lens_N.float()
+        stats = {
+            "reward_mean": rewards.mean().item(),
+            "accuracy": (rewards > 0.5).float().mean().item(),
+            "response_length": lens.mean().item(),
+            "finish_stop_frac": sum(ro.finish_reason == "stop" for ro in rollouts) / len(rollouts),
+            "groups_dropped": float(dropped),
+            "reward_errors": float(self.scorer.last_metrics.get("reward_errors", 0.0)),
+        }
+        return batch, stats
+
+    def old_logprobs(self, batch: RolloutBatch) -> dict:
+        """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4)."""
+        if self.cfg.rollout.old_logprobs == "engine":
+            batch.old_logprobs_NS = batch.engine_logprobs_NS.clone()
+            return {}
+        batch.old_logprobs_NS = self.compute_logprobs(batch)
+        weights, metrics = rollout_correction(
+            batch.old_logprobs_NS,
+            batch.engine_logprobs_NS,
+            batch.loss_mask_NS,
+            level=self.cfg.rollout.correction.level,
+            mode=self.cfg.rollout.correction.mode,
+            threshold=self.cfg.rollout.correction.threshold,
+        )
+        if self.cfg.rollout.correction.level == "sequence":
+            batch.advantages_N = batch.advantages_N * weights
+        elif self.cfg.rollout.correction.level == "token":
+            batch.extra["token_weights_NS"] = weights
+        return {f"mismatch_{k}": float(v) for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """Per-token log-probs [N, S] of the batch under the current weights (forward only)."""
+        mbs = min(self.cfg.trainer.micro_batch_size, batch.num_sequences)
+        micro = batch.split(batch.num_sequences // mbs)
+        vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
+        positions = torch.arange(self.rt.seq_len).unsqueeze(0)
+
+        def fwd(mb: RolloutBatch, model):
+            ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+            out = model(ids, positions.expand(ids.shape[0], -1), None)
+
+            def reduce(logits):
+                lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab, temp)
+                return logits.sum() * 0.0, {"token_logprobs": lp.token_logprobs.detach()}
+
+            return out, reduce
+
+        for m in self.rt.chunks:
+            m.eval()
+        try:
+            outs = forward_backward(
+                self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs, forward_only=True
+            )
+        finally:
+            for m in self.rt.chunks:
+                m.train()
+        result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32)
+        if is_last_stage():
+            result = torch.cat([o["token_logprobs"] for o in outs], dim=0)
+        return broadcast_from_last_stage(result.contiguous())
+
+    def update(self, batch: RolloutBatch) -> list[dict]:
+        """K optimizer steps, one per minibatch (paper §5.1), each a Megatron forward/backward over micro-batches."""
+        t = self.cfg.trainer
+        metrics = []
+        vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
+        positions = torch.arange(self.rt.seq_len).unsqueeze(0)
+        loss_fn = self.policy_loss
+        token_mean = getattr(loss_fn, "aggregation", None) == "token-mean"
+        for minibatch in batch.split(t.minibatches):
+            mbs = min(t.micro_batch_size, minibatch.num_sequences)
+            micro = minibatch.split(minibatch.num_sequences // mbs)
+
+            def fwd(mb: RolloutBatch, model):
+                ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+                out = model(ids, positions.expand(ids.shape[0], -1), None)
+
+                def reduce(logits):
+                    lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab, temp)
+                    if loss_fn.sequence_level:
+                        old_sum = (mb.old_logprobs_NS * mb.loss_mask_NS).sum(-1)
+                        res = loss_fn.from_sums(lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N, num_sequences=1)
+                    else:
+                        adv = mb.advantages_N
+                        if mb.extra.get("token_weights_NS") is not None:
+                            adv = adv[:, None] * mb.extra["token_weights_NS"]
+                        res = loss_fn(
+                            lp.token_logprobs, mb.old_logprobs_NS, adv, mb.loss_mask_NS,
+                            num_sequences=1, num_tokens=1,
+                        )
+                    # (sum of per-unit losses, number of units): megatron divides the gradient by the global
+                    # number of units, i.e. the loss is the exact minibatch mean (training/engine.py).
+                    units = mb.loss_mask_NS.sum() if token_mean else torch.tensor(mb.num_sequences)
+                    return res.loss, units.to(torch.int), {k: v.detach() for k, v in res.metrics.items()}
+
+                return out, reduce
+
+            parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
+            ok, grad_norm, _ = self.rt.optimizer.step()
+            grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+            if ok and math.isfinite(grad_norm):
+                self.rt.scheduler.step(increment=1)
+            else:
+                log.warning("step %d: non-finite loss or grad norm (%s): optimizer step skipped", self.step, grad_norm)
+            loss_metrics = combine_metrics(parts) if parts else {}
+            metrics.append(
+                {
+                    "loss_parts": loss_metrics,
+                    "grad_norm": grad_norm,
+                    "skipped": float(not (ok and math.isfinite(grad_norm))),
+                    "lr": self.rt.optimizer.param_groups[0]["lr"],
+                }
+            )
+        return metrics
+
+    def sync_weights(self) -> None:
+        """Makes the rollout engine sample from the updated policy."""
+        self.rt.engine.update_weights(self.rt.models, self.step)
+
+    def evaluate(self) -> dict:
+        """Held-out avg@n / pass@k with the current weights."""
+        return evaluate(self.rt, seed=self.cfg.trainer.seed + 1_000_003 * (self.step + 1))
+
+    def checkpoint(self) -> None:
+        self.ckpt.save(self.step, self.rt, self.state_dict())
+
+    # ---- loop -------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Runs until trainer.steps; returns the summary written to summary.json."""
+        t, start_time = self.cfg.trainer, time.time()
+        if "eval_accuracy_before" not in self.summary:
+            before = self.evaluate()
+            self.summary["eval_accuracy_before"] = before["eval_accuracy"]
+            self.logger.log_eval(self.step, before)
+            log.info("held-out accuracy before RL: %.3f", before["eval_accuracy"])
+        bar = self.logger.progress(t.steps, initial=self.step, enabled=t.progress)
+        wall_before = float(self.summary.get("wall_seconds", 0.0))
+        while self.step < t.steps:
+            times = {}
+            t0 = time.time()
+            batch, rollout_stats = self.collect(step_seed=t.seed * 1_000_003 + self.step)
+            times["time_generate"] = time.time() - t0
+            t0 = time.time()
+            mismatch = self.old_logprobs(batch)
+            times["time_old_logprobs"] = time.time() - t0
+            t0 = time.time()
+            updates = self.update(batch)
+            times["time_update"] = time.time() - t0
+            self.step += 1
+            t0 = time.time()
+            self.sync_weights()
+            times["time_sync"] = time.time() - t0
+            step_metrics = reduce_step_metrics(self.rt, rollout_stats, updates, mismatch, times, batch)
+            self.logger.log_step(self.step, step_metrics)
+            self.history.append(step_metrics)
+            bar.update(step_metrics)
+            if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < t.steps:
+                self.logger.log_eval(self.step, self.evaluate())
+            if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
+                self.summary["wall_seconds"] = wall_before + time.time() - start_time
+                self.checkpoint()
+        bar.close()
+        after = self.evaluate()
+        self.logger.log_eval(self.step, after)
+        self.summary.update(
+            eval_accuracy_after=after["eval_accuracy"],
+            eval_pass_at_n_after=after.get(f"eval_pass@{self.cfg.eval.n}"),
+            steps=self.step,
+            wall_seconds=wall_before + time.time() - start_time,
+            algorithm=self.cfg.loss.algorithm,
+        )
+        if t.save_final:
+            self.checkpoint()
+        self.logger.write_summary(self.summary)
+        log.info(
+            "held-out accuracy: before %.3f -> after %.3f (%d steps, %.0f s)",
+            self.summary["eval_accuracy_before"], after["eval_accuracy"], self.step, self.summary["wall_seconds"],
+        )
+        return self.summary
+
+    def close(self) -> None:
+        self.logger.close()
+        self.rt.close()
+
