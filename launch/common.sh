@@ -1,0 +1,226 @@
+# shellcheck shell=bash
+# megatron-gspo launch helpers: Slurm node list and rank arithmetic, environment, SGLang server commands, dry run.
+# Sourced by train.sbatch, rollout_servers.sbatch, task.sh and pipeline.sh; defines functions and MG_* defaults only.
+# Every variable is documented in launch/README.md.
+
+# ---- small helpers ---------------------------------------------------------------------------------------------
+mg_die() { echo "megatron-gspo launch: error: $*" >&2; exit 1; }
+mg_note() { echo "# $*"; }
+mg_is_dry() { [[ "${DRY_RUN:-0}" == 1 ]]; }
+
+# Print a command, shell-quoted, exactly as it would run.
+mg_show() {
+    local out="+" arg
+    for arg in "$@"; do
+        if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+            out+=" $arg"
+        elif [[ "$arg" != *"'"* ]]; then
+            out+=" '$arg'"
+        else
+            out+=" $(printf '%q' "$arg")"
+        fi
+    done
+    echo "$out"
+}
+
+# Run a command, or print it under DRY_RUN=1.
+mg_run() {
+    if mg_is_dry; then mg_show "$@"; else "$@"; fi
+}
+
+# Start a command in the background (its pid is appended to MG_BG_PIDS), or print it with a trailing '&'.
+MG_BG_PIDS=()
+mg_run_bg() {
+    local log="$1"; shift
+    if mg_is_dry; then
+        echo "$(mg_show "$@") > $(printf '%q' "$log") 2>&1 &"
+    else
+        "$@" >"$log" 2>&1 &
+        MG_BG_PIDS+=("$!")
+    fi
+}
+
+# Stop the background processes this script started (by pid, nothing else).
+mg_stop_bg() {
+    local pid
+    for pid in "${MG_BG_PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${MG_BG_PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    MG_BG_PIDS=()
+}
+
+# Stop our background processes when the script exits, including on scancel's SIGTERM (bash skips EXIT traps on
+# untrapped signals). $1: extra command to run first (optional).
+mg_cleanup_on_exit() {
+    # shellcheck disable=SC2064  # expand $1 now
+    trap "${1:+$1; }mg_stop_bg" EXIT
+    trap 'exit 143' TERM INT
+}
+
+mg_print_vars() {
+    local name
+    for name in "$@"; do echo "$name=${!name-}"; done
+}
+
+mg_require_int() {  # name value
+    [[ "$2" =~ ^[0-9]+$ && "$2" -ge 1 ]] || mg_die "$1=$2 must be a positive integer"
+}
+
+# Directory of the launch scripts. Under sbatch, $0 is a spool copy, so fall back to the submit directory.
+mg_launch_dir() {
+    if [[ -n "${LAUNCH_DIR:-}" ]]; then
+        echo "$LAUNCH_DIR"
+    elif [[ -f "$(dirname "${BASH_SOURCE[0]}")/common.sh" ]]; then
+        (cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    else
+        echo "${SLURM_SUBMIT_DIR:-$PWD}/launch"
+    fi
+}
+
+# ---- cluster arithmetic ----------------------------------------------------------------------------------------
+# MG_HOSTS: the job's hosts, in Slurm order. FAKE_HOSTNAMES (space/comma separated) replaces scontrol in dry runs.
+mg_hosts() {
+    if [[ -n "${FAKE_HOSTNAMES:-}" ]]; then
+        mg_is_dry || mg_die "FAKE_HOSTNAMES is for DRY_RUN=1 only"
+        read -r -a MG_HOSTS <<<"${FAKE_HOSTNAMES//,/ }"
+    else
+        local nodelist="${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}"
+        [[ -n "$nodelist" ]] || mg_die "SLURM_JOB_NODELIST is not set: run inside a Slurm job (sbatch/salloc), or set DRY_RUN=1 with FAKE_HOSTNAMES"
+        command -v scontrol >/dev/null || mg_die "scontrol not found on PATH"
+        mapfile -t MG_HOSTS < <(scontrol show hostnames "$nodelist")
+    fi
+    [[ ${#MG_HOSTS[@]} -ge 1 ]] || mg_die "empty node list"
+}
+
+# GPUs per node: GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else the count in SLURM_GPUS_PER_NODE ("8" or "h100:8").
+mg_gpus_per_node() {
+    local n="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
+    if [[ -z "$n" && -n "${SLURM_GPUS_PER_NODE:-}" ]]; then
+        n="${SLURM_GPUS_PER_NODE##*:}"
+        n="${n%%(*}"
+    fi
+    [[ -n "$n" ]] || mg_die "cannot tell the GPUs per node: set GPUS_PER_NODE or submit with --gpus-per-node"
+    mg_require_int GPUS_PER_NODE "$n"
+    echo "$n"
+}
+
+# Sets and exports: NNODES (all job nodes), GPUS_PER_NODE, TRAIN_NODES, ROLLOUT_NODES, TRAIN_HOSTS, ROLLOUT_HOSTS,
+# MASTER_ADDR (first training host), MASTER_PORT, WORLD_SIZE (training ranks).
+mg_setup_cluster() {
+    mg_hosts
+    NNODES="${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-${#MG_HOSTS[@]}}}"
+    mg_require_int SLURM_NNODES "$NNODES"
+    [[ "$NNODES" -eq ${#MG_HOSTS[@]} ]] || mg_die "SLURM_NNODES=$NNODES but the node list has ${#MG_HOSTS[@]} hosts (${MG_HOSTS[*]})"
+    GPUS_PER_NODE="$(mg_gpus_per_node)" || exit 1
+    ROLLOUT_NODES="${ROLLOUT_NODES:-0}"
+    [[ "$ROLLOUT_NODES" =~ ^[0-9]+$ ]] || mg_die "ROLLOUT_NODES=$ROLLOUT_NODES must be an integer >= 0"
+    TRAIN_NODES=$((NNODES - ROLLOUT_NODES))
+    [[ "$TRAIN_NODES" -ge 1 ]] || mg_die "ROLLOUT_NODES=$ROLLOUT_NODES leaves no training node out of $NNODES"
+    TRAIN_HOSTS="${MG_HOSTS[*]:0:TRAIN_NODES}"
+    ROLLOUT_HOSTS="${MG_HOSTS[*]:TRAIN_NODES}"
+    MASTER_ADDR="${MASTER_ADDR:-${MG_HOSTS[0]}}"
+    MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
+    WORLD_SIZE=$((TRAIN_NODES * GPUS_PER_NODE))
+    export NNODES GPUS_PER_NODE ROLLOUT_NODES TRAIN_NODES TRAIN_HOSTS ROLLOUT_HOSTS MASTER_ADDR MASTER_PORT WORLD_SIZE
+}
+
+# Environment for training ranks (NCCL/GLOO interfaces, Megatron's single CUDA connection for comm/compute ordering).
+mg_setup_env() {
+    export CUDA_DEVICE_MAX_CONNECTIONS=1
+    export PYTHONUNBUFFERED=1
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    if [[ -n "${NET_IFACE:-}" ]]; then
+        export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$NET_IFACE}"
+        export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NET_IFACE}"
+    fi
+    [[ -z "${IB_HCA:-}" ]] || export NCCL_IB_HCA="${NCCL_IB_HCA:-$IB_HCA}"
+}
+
+mg_print_env() {
+    mg_print_vars CUDA_DEVICE_MAX_CONNECTIONS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA NCCL_DEBUG OMP_NUM_THREADS
+}
+
+# ---- SGLang rollout servers -------------------------------------------------------------------------------------
+# One server per SGLANG_TP GPUs of a node, on ports SGLANG_PORT, SGLANG_PORT+1, ...
+mg_sglang_defaults() {
+    SGLANG_PYTHON="${SGLANG_PYTHON:-python}"
+    SGLANG_TP="${SGLANG_TP:-1}"
+    SGLANG_PORT="${SGLANG_PORT:-30000}"
+    ROUTER_PORT="${ROUTER_PORT:-29000}"
+    SGLANG_ROUTER="${SGLANG_ROUTER:-0}"
+    mg_require_int SGLANG_TP "$SGLANG_TP"
+    (( GPUS_PER_NODE % SGLANG_TP == 0 )) || mg_die "SGLANG_TP=$SGLANG_TP does not divide GPUS_PER_NODE=$GPUS_PER_NODE"
+    SERVERS_PER_NODE=$((GPUS_PER_NODE / SGLANG_TP))
+    export SGLANG_PYTHON SGLANG_TP SGLANG_PORT ROUTER_PORT SGLANG_ROUTER SERVERS_PER_NODE
+}
+
+# Worker URLs of servers on the given hosts (space separated), in host order then port order.
+mg_sglang_urls() {
+    local host i urls=()
+    for host in $1; do
+        for ((i = 0; i < SERVERS_PER_NODE; i++)); do urls+=("http://$host:$((SGLANG_PORT + i))"); done
+    done
+    echo "${urls[*]}"
+}
+
+# The launch_server command of server $1 on this node (GPUs $1*SGLANG_TP ... ; colocated adds memory-saver flags).
+mg_sglang_server_cmd() {
+    local i="$1" colocated="${2:-0}" first gpus g
+    first=$((i * SGLANG_TP))
+    gpus="$first"
+    for ((g = first + 1; g < first + SGLANG_TP; g++)); do gpus+=",$g"; done
+    [[ -n "${SGLANG_MODEL_PATH:-}" ]] || mg_die "SGLANG_MODEL_PATH is not set (the HF checkpoint the rollout servers load)"
+    MG_CMD=(env "CUDA_VISIBLE_DEVICES=$gpus" "$SGLANG_PYTHON" -m sglang.launch_server
+        --model-path "$SGLANG_MODEL_PATH" --tp "$SGLANG_TP" --host 0.0.0.0 --port "$((SGLANG_PORT + i))"
+        --skip-tokenizer-init)
+    [[ "${ROUTING_REPLAY:-off}" != r3 ]] || MG_CMD+=(--enable-return-routed-experts)
+    if [[ "$colocated" == 1 ]]; then
+        MG_CMD+=(--enable-memory-saver --mem-fraction-static "${SGLANG_MEM_FRACTION:-0.4}")
+    fi
+    # shellcheck disable=SC2206  # word splitting of the extra flags is intended
+    [[ -z "${SGLANG_EXTRA_ARGS:-}" ]] || MG_CMD+=(${SGLANG_EXTRA_ARGS})
+}
+
+mg_router_cmd() {  # worker URLs (space separated)
+    # shellcheck disable=SC2206
+    local urls=($1)
+    MG_CMD=("$SGLANG_PYTHON" -m sglang_router.launch_router --host 0.0.0.0 --port "$ROUTER_PORT" --worker-urls "${urls[@]}")
+}
+
+# Start (or print) this node's servers; logs go to $LOG_DIR/sglang-<host>-<i>.log.
+mg_start_sglang_node() {
+    local host="$1" colocated="${2:-0}" i
+    for ((i = 0; i < SERVERS_PER_NODE; i++)); do
+        mg_sglang_server_cmd "$i" "$colocated"
+        mg_run_bg "$LOG_DIR/sglang-$host-$i.log" "${MG_CMD[@]}"
+    done
+}
+
+# Wait until every URL in $1 answers GET <url>$2 (default /health_generate; skipped in dry runs).
+mg_wait_healthy() {
+    local url path="${2:-/health_generate}" deadline=$((SECONDS + ${SGLANG_START_TIMEOUT:-1800}))
+    if mg_is_dry; then
+        mg_note "wait for $path on: $1"
+        return 0
+    fi
+    for url in $1; do
+        until curl -sf -o /dev/null "$url$path"; do
+            (( SECONDS < deadline )) || mg_die "$url$path not healthy after ${SGLANG_START_TIMEOUT:-1800}s"
+            sleep 10
+        done
+    done
+}
+
+# ---- run directories ---------------------------------------------------------------------------------------------
+# RUN_DIR (default $PWD/runs/<job name>-<job id>), LOG_DIR, CKPT_DIR.
+mg_setup_dirs() {
+    RUN_DIR="${RUN_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/${RUN_NAME:-${SLURM_JOB_NAME:-megatron-gspo}-${SLURM_JOB_ID:-local}}}"
+    LOG_DIR="${LOG_DIR:-$RUN_DIR/logs}"
+    CKPT_DIR="${CKPT_DIR:-$RUN_DIR/checkpoints}"
+    export RUN_DIR LOG_DIR CKPT_DIR
+}
