@@ -217,10 +217,10 @@ mg_wait_healthy() {
 }
 
 # ---- run directories ---------------------------------------------------------------------------------------------
-# RUN_DIR (default $PWD/runs/<job name>-<job id>), LOG_DIR, CKPT_DIR.
+# RUN_DIR (the trainer's trainer.run_dir: metrics, plots, checkpoints/; default $SLURM_SUBMIT_DIR/runs/<job>-<id>)
+# and LOG_DIR (the launcher's per-node / per-rank / SGLang logs).
 mg_setup_dirs() {
     RUN_DIR="${RUN_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/${RUN_NAME:-${SLURM_JOB_NAME:-megatron-gspo}-${SLURM_JOB_ID:-local}}}"
     LOG_DIR="${LOG_DIR:-$RUN_DIR/logs}"
-    CKPT_DIR="${CKPT_DIR:-$RUN_DIR/checkpoints}"
-    export RUN_DIR LOG_DIR CKPT_DIR
+    export RUN_DIR LOG_DIR
 }

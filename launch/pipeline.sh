@@ -1,10 +1,10 @@
 #!/bin/bash
 # megatron-gspo pretraining-to-RL pipeline, one step after the other:
 #   convert     HF checkpoint -> Megatron          megatron-gspo convert hf-to-megatron --hf --out --tp --pp --ep
-#   sft         SFT cold start                     megatron-gspo sft --config SFT_CONFIG        (launch/train.sbatch)
-#   sft_export  SFT checkpoint -> HF               the weights the SGLang rollout servers start from
+#   sft         SFT cold start                     megatron-gspo sft --config SFT_CONFIG --out  (launch/train.sbatch)
+#   sft_export  SFT model -> HF                    the weights the SGLang rollout servers start from
 #   rl          RL with GSPO                       megatron-gspo train --config RL_CONFIG       (launch/train.sbatch)
-#   export      RL checkpoint -> HF                megatron-gspo convert megatron-to-hf --ckpt --out
+#   export      newest RL checkpoint -> HF         megatron-gspo convert megatron-to-hf --ckpt --out
 #
 #   HF_MODEL=/models/Qwen3-30B-A3B-Base SFT_CONFIG=sft.yaml RL_CONFIG=gspo.yaml SGLANG_PYTHON=/opt/sglang/bin/python \
 #       bash launch/pipeline.sh
@@ -28,9 +28,9 @@ SFT_NODES="${SFT_NODES:-1}"
 RL_NODES="${RL_NODES:-1}"
 RL_ROLLOUT_MODE="${RL_ROLLOUT_MODE:-colocated}"
 RL_ROLLOUT_NODES="${RL_ROLLOUT_NODES:-0}"
-MG_KEY_LOAD="${MG_KEY_LOAD:-checkpoint.load}"
 BASE_CKPT="$WORK_DIR/megatron-base"
 SFT_RUN="$WORK_DIR/sft"
+SFT_MODEL="$WORK_DIR/sft-model"
 SFT_HF="$WORK_DIR/sft-hf"
 RL_RUN="$WORK_DIR/rl"
 FINAL_HF="$WORK_DIR/final-hf"
@@ -51,8 +51,8 @@ done
 sbatch_extra=(${SBATCH_ARGS:-})
 prev_job=""
 
-# Submit (sbatch mode) or run (local mode) one step. Arguments: name nodes kind(cmd|train) then the command or
-# the env assignments + train.sbatch arguments.
+# Submit (sbatch mode) or run (local mode) one step. Arguments: name nodes kind, then for kind=cmd the command,
+# for kind=shell one shell command line, for kind=train the env assignments, --, the train.sbatch arguments.
 submit() {
     local name="$1" nodes="$2" kind="$3"
     shift 3
@@ -61,6 +61,8 @@ submit() {
     if [[ "$PIPELINE_MODE" == local ]]; then
         if [[ "$kind" == cmd ]]; then
             mg_run "$@"
+        elif [[ "$kind" == shell ]]; then
+            mg_run bash -c "$1"
         else
             # "$@" = VAR=value ... -- train.sbatch args
             local -a envs=()
@@ -76,11 +78,11 @@ submit() {
         return
     fi
     local -a cmd
-    if [[ "$kind" == cmd ]]; then
-        local wrapped
-        wrapped="$(mg_show "$@")"
+    if [[ "$kind" == cmd || "$kind" == shell ]]; then
+        local wrapped="$1"
+        if [[ "$kind" == cmd ]]; then wrapped="$(mg_show "$@")" && wrapped="${wrapped#+ }"; fi
         cmd=(sbatch --parsable --job-name="mg-$name" --nodes="$nodes" --ntasks-per-node=1 "${dep[@]}" \
-            "${sbatch_extra[@]}" --output="$WORK_DIR/logs/%x-%j.out" --wrap="${wrapped#+ }")
+            "${sbatch_extra[@]}" --output="$WORK_DIR/logs/%x-%j.out" --wrap="$wrapped")
     else
         local -a envs=()
         while [[ "$1" != -- ]]; do envs+=("$1"); shift; done
@@ -114,21 +116,24 @@ for step in $STEPS; do
     sft)
         echo "## step $n/$total sft: SFT cold start ($SFT_CONFIG, $SFT_NODES node(s))"
         submit sft "$SFT_NODES" train MG_SUBCOMMAND=sft CONFIG="$SFT_CONFIG" ROLLOUT_MODE=none ROLLOUT_NODES=0 \
-            RUN_DIR="$SFT_RUN" -- "$MG_KEY_LOAD=$BASE_CKPT"
+            RUN_DIR="$SFT_RUN" SFT_OUT="$SFT_MODEL" -- "model.load=$BASE_CKPT"
         ;;
     sft_export)
-        echo "## step $n/$total sft_export: SFT checkpoint -> HF ($SFT_HF, the rollout servers' starting weights)"
-        submit sft_export 1 cmd "${MG[@]}" convert megatron-to-hf --ckpt "$SFT_RUN/checkpoints" --out "$SFT_HF"
+        echo "## step $n/$total sft_export: SFT model -> HF ($SFT_HF, the rollout servers' starting weights)"
+        submit sft_export 1 cmd "${MG[@]}" convert megatron-to-hf --ckpt "$SFT_MODEL" --out "$SFT_HF"
         ;;
     rl)
         echo "## step $n/$total rl: RL with GSPO ($RL_CONFIG, $RL_NODES node(s), rollout $RL_ROLLOUT_MODE)"
         submit rl "$RL_NODES" train MG_SUBCOMMAND=train CONFIG="$RL_CONFIG" ROLLOUT_MODE="$RL_ROLLOUT_MODE" \
             ROLLOUT_NODES="$RL_ROLLOUT_NODES" SGLANG_MODEL_PATH="$SFT_HF" RUN_DIR="$RL_RUN" \
-            -- "$MG_KEY_LOAD=$SFT_RUN/checkpoints"
+            -- "model.load=$SFT_MODEL"
         ;;
     export)
-        echo "## step $n/$total export: RL checkpoint -> HF ($FINAL_HF)"
-        submit export 1 cmd "${MG[@]}" convert megatron-to-hf --ckpt "$RL_RUN/checkpoints" --out "$FINAL_HF"
+        echo "## step $n/$total export: newest RL checkpoint -> HF ($FINAL_HF)"
+        # The newest checkpoint is named in checkpoints/latest, known only once the RL job has run.
+        ckpts="$(printf '%q' "$RL_RUN/checkpoints")"
+        convert="$(mg_show "${MG[@]}" convert megatron-to-hf --out "$FINAL_HF")"
+        submit export 1 shell "ckpt=$ckpts/\$(cat $ckpts/latest) && ${convert#+ } --ckpt \"\$ckpt\""
         ;;
     esac
 done

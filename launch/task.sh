@@ -10,22 +10,27 @@ MG_TASK_DIR="${LAUNCH_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"
 # shellcheck source=launch/common.sh
 source "$MG_TASK_DIR/common.sh"
 
-# The trainer's command line after the interpreter: module, subcommand, config, overrides (MG_ARGS).
+# The trainer's command line after the interpreter (MG_ARGS): module, subcommand, config, then the overrides this
+# script sets (run-config keys, megatron_gspo/training/config.py), TRAIN_OVERRIDES and "$@" (those win).
 mg_trainer_args() {
     [[ -n "${CONFIG:-}" ]] || mg_die "CONFIG is not set (the run config YAML)"
     local sub="${MG_SUBCOMMAND:-train}"
-    MG_ARGS=(-m megatron_gspo.cli.main "$sub" --config "$CONFIG"
-        "${MG_KEY_CKPT_DIR:-checkpoint.dir}=$CKPT_DIR"
-        "${MG_KEY_LOG_DIR:-logging.dir}=$LOG_DIR")
+    MG_ARGS=(-m megatron_gspo.cli.main "$sub" --config "$CONFIG")
+    if [[ "$sub" == sft ]]; then
+        MG_ARGS+=(--out "${SFT_OUT:-$RUN_DIR/sft_model}")
+    elif [[ "${RESUME:-0}" == 1 ]]; then
+        MG_ARGS+=(--resume)
+    fi
+    MG_ARGS+=("trainer.run_dir=$RUN_DIR")
     if [[ "$sub" == train && -n "${ROLLOUT_URLS:-}" ]]; then
         # The servers run already: the trainer attaches to them (SGLangConfig: mode, urls, router_url, colocated).
-        local key="${MG_KEY_SGLANG:-sglang}"
-        MG_ARGS+=("$key.mode=attach" "$key.urls=[${ROLLOUT_URLS// /,}]")
-        [[ -z "${ROUTER_URL:-}" ]] || MG_ARGS+=("$key.router_url=$ROUTER_URL")
-        [[ "${ROLLOUT_MODE:-none}" != colocated ]] || MG_ARGS+=("$key.colocated=true")
+        MG_ARGS+=(rollout.engine=sglang sglang.mode=attach "sglang.urls=[${ROLLOUT_URLS// /,}]")
+        [[ -z "${ROUTER_URL:-}" ]] || MG_ARGS+=("sglang.router_url=$ROUTER_URL")
+        [[ "${ROLLOUT_MODE:-none}" != colocated ]] || MG_ARGS+=(sglang.colocated=true)
     fi
     if [[ "$sub" == train && -n "${ROUTING_REPLAY:-}" ]]; then
-        MG_ARGS+=("${MG_KEY_ROUTING_REPLAY:-moe.routing_replay}=$ROUTING_REPLAY")
+        MG_ARGS+=("moe.routing_replay=$ROUTING_REPLAY")
+        [[ "$ROUTING_REPLAY" != r3 || -z "${ROLLOUT_URLS:-}" ]] || MG_ARGS+=(sglang.return_routed_experts=true)
     fi
     # shellcheck disable=SC2206  # TRAIN_OVERRIDES is a space-separated list of key=value
     [[ -z "${TRAIN_OVERRIDES:-}" ]] || MG_ARGS+=(${TRAIN_OVERRIDES})

@@ -1,12 +1,19 @@
 """`megatron-gspo plan`: validate a layout, count parameters, estimate per-GPU memory, suggest layouts that fit.
 
-Inputs, highest precedence first: command-line flags, the YAML file of `--config`, built-in defaults. From the YAML
-only these keys are read (everything else is ignored):
-  model.preset (a preset name) and any `ModelConfig` field (model.num_experts, ...) as overrides of the preset;
-  parallel.{tp, pp, ep, etp, cp, sequence_parallel, virtual_pp};
-  trainer.micro_batch_size, trainer.global_batch_size (sequences per optimizer step);
-  rollout sequences per rollout batch = (rollout.prompts_per_step | rollout.batch_size)
-                                        x (rollout.group_size | rollout.n_samples_per_prompt, default 1).
+Inputs, highest precedence first: command-line flags, the run config of `--config`, defaults. From the config only
+these keys of the run-config schema (`megatron_gspo.training.config`) are read; other keys and sections are ignored:
+  model.preset, model.hf_config, model.overrides   the architecture (as `ModelSection.model_config()` builds it)
+  model.recompute                                  activation recompute
+  parallel.{tp, pp, ep, etp, cp, sequence_parallel, virtual_pp}
+  trainer.micro_batch_size
+  trainer.prompts_per_step x rollout.group_size    sequences per rollout batch (the routing-replay cache)
+  ... / trainer.minibatches                        sequences per optimizer step (the global batch)
+A key the file leaves out takes the schema's default, as in the run itself (e.g. model.preset=tiny,
+trainer.micro_batch_size=16). Without --config: model qwen3-30b-a3b, micro-batch 1, global batch 256 sequences,
+rollout batch 4x the global batch (paper §5.1: 4 minibatches), recompute selective.
+
+The memory model is the GPU training path whatever model.dtype says: bf16 weights, fp32 main grads, distributed
+optimizer (planning/memory.py).
 
 Exit status: 0 when the given layout fits (or, without one, when some suggested layout fits), 1 when it does not,
 2 for invalid input (each message names its key).
@@ -35,31 +42,49 @@ from megatron_gspo.planning.params import count_parameters, format_count
 
 DEFAULT_PRESET = "qwen3-30b-a3b"
 DEFAULT_GLOBAL_BATCH = 256
+DEFAULT_RECOMPUTE = "selective"
 PARALLEL_KEYS = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "virtual_pp")
 
 
 @dataclass
 class ConfigInputs:
-    """What the planner takes from a run config file."""
+    """What the planner takes from a run config file (None: no config file)."""
 
-    preset: str | None = None
-    """model.preset."""
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    """model.<ModelConfig field>."""
+    name: str | None = None
+    """Model name for the report (the preset, or the hf_config path)."""
+    model: ModelConfig | None = None
+    """model.preset / model.hf_config / model.overrides, resolved."""
+    recompute: str | None = None
+    """model.recompute."""
     parallel: dict[str, Any] = field(default_factory=dict)
     """parallel.<key> for PARALLEL_KEYS."""
     micro_batch_size: int | None = None
     """trainer.micro_batch_size."""
     global_batch_size: int | None = None
-    """trainer.global_batch_size."""
+    """Sequences per optimizer step: trainer.prompts_per_step * rollout.group_size / trainer.minibatches."""
     rollout_batch_size: int | None = None
-    """Sequences per rollout batch (module docstring)."""
+    """Sequences per rollout batch: trainer.prompts_per_step * rollout.group_size."""
 
 
 def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
-    value = data.get(name) or {}
+    value = data.get(name)
+    if value is None:
+        return {}
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a mapping in the config file, got {type(value).__name__}")
+        raise ValueError(f"{name} must be a section (mapping) in the config file, got {value!r}")
+    return value
+
+
+def _known(cls: type, section: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in section.items() if k in names}
+
+
+def _int(section: dict[str, Any], name: str, key: str, default: int) -> int:
+    """section[key] (else the schema's default) as a positive int; errors name the key."""
+    value = section.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}.{key}={value!r} must be a positive integer")
     return value
 
 
@@ -67,40 +92,38 @@ def read_config(path: str | Path) -> ConfigInputs:
     """The planner's keys of a YAML run config (module docstring); other keys are ignored."""
     import yaml
 
+    # The run-config schema gives the defaults of keys the file leaves out (imported here: it pulls in torch).
+    from megatron_gspo.training.config import ModelSection, RolloutConfig, TrainerConfig
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--config {path}: no such file")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: invalid YAML ({exc})") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: the top level must be a mapping")
-    model = _section(data, "model")
-    model_fields = {f.name for f in fields(ModelConfig)}
-    inputs = ConfigInputs(
-        preset=model.get("preset"),
-        model_overrides={k: v for k, v in model.items() if k in model_fields},
+        raise ValueError(f"--config {path}: the top level must be a mapping of sections")
+    section = ModelSection(**_known(ModelSection, _section(data, "model")))
+    trainer, rollout = _section(data, "trainer"), _section(data, "rollout")
+    trainer_defaults, rollout_defaults = TrainerConfig(), RolloutConfig()
+    prompts = _int(trainer, "trainer", "prompts_per_step", trainer_defaults.prompts_per_step)
+    group = _int(rollout, "rollout", "group_size", rollout_defaults.group_size)
+    minibatches = _int(trainer, "trainer", "minibatches", trainer_defaults.minibatches)
+    if (prompts * group) % minibatches:
+        raise ValueError(
+            f"trainer.minibatches={minibatches} does not divide trainer.prompts_per_step*rollout.group_size="
+            f"{prompts}*{group}={prompts * group}"
+        )
+    return ConfigInputs(
+        name=section.preset if section.hf_config is None else str(section.hf_config),
+        model=section.model_config(),
+        recompute=section.recompute,
         parallel={k: v for k, v in _section(data, "parallel").items() if k in PARALLEL_KEYS and v is not None},
+        micro_batch_size=_int(trainer, "trainer", "micro_batch_size", trainer_defaults.micro_batch_size),
+        global_batch_size=prompts * group // minibatches,
+        rollout_batch_size=prompts * group,
     )
-    trainer = _section(data, "trainer")
-    inputs.micro_batch_size = _int(trainer, "trainer", "micro_batch_size")
-    inputs.global_batch_size = _int(trainer, "trainer", "global_batch_size")
-    rollout = _section(data, "rollout")
-    prompts = _int(rollout, "rollout", "prompts_per_step", "batch_size")
-    if prompts is not None:
-        group = _int(rollout, "rollout", "group_size", "n_samples_per_prompt")
-        inputs.rollout_batch_size = prompts * (group or 1)
-    return inputs
-
-
-def _int(section: dict[str, Any], name: str, *keys: str) -> int | None:
-    """The first of `keys` present (and not null) in `section`, as a positive int; None when none is."""
-    for key in keys:
-        value = section.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}.{key}={value!r} must be a positive integer")
-        return value
-    return None
 
 
 def _first(*values: Any) -> Any:
@@ -115,17 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate a parallel layout, count parameters, estimate per-GPU memory and suggest layouts.",
     )
     p.add_argument("--config", help="run config YAML (reads model.*, parallel.*, trainer/rollout batch sizes)")
-    p.add_argument("--preset", help=f"model preset {sorted(PRESETS)} (default {DEFAULT_PRESET})")
+    p.add_argument(
+        "--preset", help=f"model preset {sorted(PRESETS)} (default: the config's model, else {DEFAULT_PRESET})"
+    )
     p.add_argument("--nodes", type=int, default=1, help="training nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="usable memory per GPU in GiB (default 80)")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence, prompt + response (default 8192)")
-    p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default 1)")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default: config, else 1)")
     p.add_argument(
         "--global-batch-size", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})"
     )
     p.add_argument("--rollout-batch-size", type=int, help="sequences per rollout batch (default 4x global batch)")
-    p.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="selective", help="(default selective)")
+    p.add_argument(
+        "--recompute", choices=RECOMPUTE_CHOICES, help=f"(default: model.recompute, else {DEFAULT_RECOMPUTE})"
+    )
     p.add_argument("--routing-replay", choices=REPLAY_CHOICES, default="off", help="(default off)")
     p.add_argument(
         "--logprob", choices=LOGPROB_CHOICES, default="fused", help="log-prob path counted in the total (default fused)"
@@ -139,8 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(args: argparse.Namespace, cfg: ConfigInputs) -> tuple[str, ModelConfig]:
-    name = args.preset or cfg.preset or DEFAULT_PRESET
-    return name, preset(name, **cfg.model_overrides)
+    """--preset wins; else the config's model; else the default preset."""
+    if args.preset is not None:
+        return args.preset, preset(args.preset)
+    if cfg.model is not None:
+        return cfg.name or "model", cfg.model
+    return DEFAULT_PRESET, preset(DEFAULT_PRESET)
 
 
 def _parallel(args: argparse.Namespace, cfg: ConfigInputs) -> ParallelConfig | None:
@@ -151,6 +182,8 @@ def _parallel(args: argparse.Namespace, cfg: ConfigInputs) -> ParallelConfig | N
             values[key] = getattr(args, flag)
     if not values:
         return None
+    if args.tp is not None:  # a --tp flag also decides sequence parallelism (on exactly when tp > 1)
+        values["sequence_parallel"] = args.tp > 1
     values.setdefault("sequence_parallel", values.get("tp", 1) > 1)
     return ParallelConfig(**values)
 
@@ -230,7 +263,7 @@ def plan_main(argv: list[str], out: TextIO | None = None, err: TextIO | None = N
             micro_batch_size=_first(args.micro_batch_size, cfg.micro_batch_size, 1),
             global_batch_size=_first(args.global_batch_size, cfg.global_batch_size, DEFAULT_GLOBAL_BATCH),
             rollout_batch_size=_first(args.rollout_batch_size, cfg.rollout_batch_size),
-            recompute=args.recompute,
+            recompute=_first(args.recompute, cfg.recompute, DEFAULT_RECOMPUTE),
             routing_replay=args.routing_replay,
             logprob=args.logprob,
         )
@@ -277,8 +310,10 @@ def plan_main(argv: list[str], out: TextIO | None = None, err: TextIO | None = N
     if checked is not None:
         out.write(f"\nlayout    {checked.layout.describe()}  [{_verdict(checked)}]\n")
         _print_memory(checked, out)
-    out.write("\nsuggested layouts (fitting first, ranked by a step-time proxy: compute + pipeline bubble + comm;\n"
-        "the memory columns are GiB of each layout's peak pipeline stage)\n")
+    out.write(
+        "\nsuggested layouts (fitting first, ranked by a step-time proxy: compute + pipeline bubble + comm;\n"
+        "the memory columns are GiB of each layout's peak pipeline stage)\n"
+    )
     if not suggestions:
         out.write("  none: no valid layout for this cluster\n")
     else:

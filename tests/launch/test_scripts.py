@@ -133,7 +133,8 @@ def test_train_torchrun_four_nodes(slurm):
         tail = cmd[cmd.index("-m", 3) :]
         assert tail[:4] == ["-m", "megatron_gspo.cli.main", "train", "--config"] and tail[4] == "gspo.yaml"
         assert tail[-1] == "trainer.steps=10"
-        assert any(a.startswith("checkpoint.dir=") and a.endswith("/checkpoints") for a in tail)
+        assert f"trainer.run_dir={r['RUN_DIR']}" in tail and r["RUN_DIR"].endswith("/runs/megatron-gspo-4242")
+        assert "--resume" not in tail and not any(a.startswith("sglang.") for a in tail)
 
 
 def test_task_node_rank_from_slurm_nodeid(slurm):
@@ -202,7 +203,8 @@ def test_disaggregated_rollout_nodes(slurm):
     launches = r.find("torch.distributed.run")
     assert [flag(c, "--node-rank") for c in launches] == ["0", "1", "2"]
     assert all(flag(c, "--nnodes") == "3" for c in launches)
-    assert "sglang.mode=attach" in launches[0] and "sglang.colocated=true" not in launches[0]
+    assert "rollout.engine=sglang" in launches[0] and "sglang.mode=attach" in launches[0]
+    assert "sglang.colocated=true" not in launches[0] and "sglang.return_routed_experts=true" in launches[0]
     assert "sglang.urls=[http://gpu004:30000,http://gpu004:30001]" in launches[0]
     assert "sglang.router_url=http://gpu004:29000" in launches[0]
     assert "moe.routing_replay=r3" in launches[0]
@@ -273,12 +275,15 @@ def test_pipeline_sbatch_chain(slurm):
     convert = shlex.split(flag(jobs[0], "--wrap"))
     assert convert[3:] == ["convert", "hf-to-megatron", "--hf", "/models/base", "--out", "/w/megatron-base",
                            "--tp", "1", "--pp", "1", "--ep", "8"]
-    assert "MG_SUBCOMMAND=sft" in jobs[1] and jobs[1][-1] == "checkpoint.load=/w/megatron-base"
-    assert shlex.split(flag(jobs[2], "--wrap"))[3:] == ["convert", "megatron-to-hf", "--ckpt", "/w/sft/checkpoints",
+    assert "MG_SUBCOMMAND=sft" in jobs[1] and "SFT_OUT=/w/sft-model" in jobs[1]
+    assert jobs[1][-1] == "model.load=/w/megatron-base"
+    assert shlex.split(flag(jobs[2], "--wrap"))[3:] == ["convert", "megatron-to-hf", "--ckpt", "/w/sft-model",
                                                        "--out", "/w/sft-hf"]
     assert "SGLANG_MODEL_PATH=/w/sft-hf" in jobs[3] and flag(jobs[3], "--nodes") == "4"
-    assert "ROLLOUT_NODES=1" in jobs[3] and jobs[3][-1] == "checkpoint.load=/w/sft/checkpoints"
-    assert shlex.split(flag(jobs[4], "--wrap"))[-4:] == ["--ckpt", "/w/rl/checkpoints", "--out", "/w/final-hf"]
+    assert "ROLLOUT_NODES=1" in jobs[3] and jobs[3][-1] == "model.load=/w/sft-model"
+    export = flag(jobs[4], "--wrap")  # resolves checkpoints/latest when the job runs
+    assert export.startswith("ckpt=/w/rl/checkpoints/$(cat /w/rl/checkpoints/latest) && ")
+    assert shlex.split(export)[-5:] == ["megatron-to-hf", "--out", "/w/final-hf", "--ckpt", "$ckpt"]
 
 
 def test_pipeline_local_expands_train_steps(slurm):
@@ -288,7 +293,9 @@ def test_pipeline_local_expands_train_steps(slurm):
     sft = r.find("torch.distributed.run", "sft")
     rl = r.find("torch.distributed.run", "train")
     assert len(sft) == 2 and len(rl) == 2
-    assert "checkpoint.load=/w/megatron-base" in sft[0] and "checkpoint.load=/w/sft/checkpoints" in rl[1]
+    assert "model.load=/w/megatron-base" in sft[0] and "model.load=/w/sft-model" in rl[1]
+    assert sft[0][sft[0].index("--out") + 1] == "/w/sft-model" and "trainer.run_dir=/w/sft" in sft[0]
+    assert "trainer.run_dir=/w/rl" in rl[0]
     assert len(r.find("sglang.launch_server")) == 2 * 8  # colocated, SGLANG_TP=1 by default
 
 
@@ -354,7 +361,11 @@ def stubs(tmp_path):
     files = {
         "scontrol": SCONTROL,
         "srun": SRUN,
-        "curl": "#!/bin/bash\nexit 0\n",
+        # Healthy once the stub server on that port has started (logged its pid and arguments).
+        "curl": (
+            f'#!/bin/bash\nurl="${{@: -1}}"; port="${{url##*:}}"; port="${{port%%/*}}"\n'
+            f'for _ in $(seq 200); do grep -qs -- "--port $port" {pids} && exit 0; sleep 0.05; done\nexit 7\n'
+        ),
         "python-stub": f'#!/bin/bash\necho "$*" >> {calls}\n',
         "sglang-stub": f'#!/bin/bash\necho "$$ $*" >> {pids}\nexec sleep 60\n',
     }
@@ -385,7 +396,7 @@ def test_real_run_with_stub_srun(stubs, tmp_path):
         args = line.split()
         assert args[:2] == ["-m", "torch.distributed.run"] and f"--node-rank={rank}" in args
         assert "--nnodes=2" in args and "--nproc-per-node=4" in args and args[-1] == "x=1"
-    assert (tmp_path / "runs" / "megatron-gspo-7" / "checkpoints").is_dir()
+    assert (tmp_path / "runs" / "megatron-gspo-7" / "logs").is_dir()
 
 
 def test_real_colocated_servers_are_stopped(stubs, tmp_path):
@@ -412,3 +423,43 @@ def test_real_run_propagates_failure(stubs, tmp_path):
     proc = subprocess.run(["bash", str(LAUNCH / "train.sbatch")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 3
+
+
+def test_pipeline_export_resolves_latest_checkpoint(stubs, tmp_path):
+    env, calls, _ = stubs
+    work = tmp_path / "work dir"
+    (work / "rl" / "checkpoints").mkdir(parents=True)
+    (work / "rl" / "checkpoints" / "latest").write_text("iter_0000012\n")
+    env.update(PIPELINE_MODE="local", STEPS="export", WORK_DIR=str(work))
+    proc = subprocess.run(["bash", str(LAUNCH / "pipeline.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().split(" --ckpt ")[-1].strip() == f"{work}/rl/checkpoints/iter_0000012"
+
+
+def test_resume_and_sft_arguments(slurm):
+    env = dict(FOUR_NODES, SLURM_JOB_NODELIST="a", SLURM_NNODES="1")
+    r = slurm("train.sbatch", CONFIG="c.yaml", RESUME="1", **env)
+    (cmd,) = r.find("torch.distributed.run")
+    assert cmd[cmd.index("c.yaml") + 1] == "--resume"
+    r = slurm("train.sbatch", CONFIG="c.yaml", MG_SUBCOMMAND="sft", RUN_DIR="/r", RESUME="1", **env)
+    (cmd,) = r.find("torch.distributed.run")
+    tail = cmd[cmd.index("megatron_gspo.cli.main") + 1 :]
+    assert tail == ["sft", "--config", "c.yaml", "--out", "/r/sft_model", "trainer.run_dir=/r"]
+
+
+def test_overrides_are_valid_run_config_keys(slurm):
+    """What the scripts append after --config is accepted by the run-config loader and the SGLang config."""
+    from megatron_gspo.training.config import load_run_config
+
+    SGLangConfig = pytest.importorskip("megatron_gspo.rollout.sglang_config").SGLangConfig
+
+    r = slurm("train.sbatch", CONFIG="c.yaml", ROLLOUT_MODE="colocated", ROUTING_REPLAY="r3", SGLANG_MODEL_PATH="/m",
+              SGLANG_ROUTER="0", **dict(FOUR_NODES, SLURM_JOB_NODELIST="a", SLURM_NNODES="1"))
+    (cmd,) = r.find("torch.distributed.run")
+    overrides = cmd[cmd.index("c.yaml") + 1 :]
+    cfg = load_run_config(None, overrides)
+    assert cfg.rollout.engine == "sglang" and cfg.moe == {"routing_replay": "r3"}
+    sglang = SGLangConfig(**cfg.sglang, num_experts=128, num_moe_layers=48, moe_topk=8)
+    assert sglang.mode == "attach" and sglang.colocated and sglang.return_routed_experts
+    assert sglang.urls == [f"http://a:{30000 + i}" for i in range(8)]
