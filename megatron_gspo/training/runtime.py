@@ -153,3 +153,5 @@ def configure_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[%(asctime)s r{rank}] %(message)s", datefmt="%H:%M:%S")
+    # megatron-core logs every parameter and config at INFO; keep its warnings only.
+    logging.getLogger("megatron").setLevel(logging.WARNING)

@@ -164,7 +164,7 @@ class GSPOTrainer:
             batch.advantages_N = batch.advantages_N * weights
         elif self.cfg.rollout.correction.level == "token":
             batch.extra["token_weights_NS"] = weights
-        return {f"mismatch_{k}": float(v) for k, v in metrics.items()}
+        return {(k if k.startswith("mismatch") else f"mismatch_{k}"): float(v) for k, v in metrics.items()}
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""End-to-end runs of `megatron-gspo train`: a mini single-process run, a 2-process TP=2 run, and the
+SIGKILL / --resume equality test."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MINI = [
+    "trainer.steps=3",
+    "trainer.prompts_per_step=8",
+    "trainer.micro_batch_size=8",
+    "trainer.progress=false",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=5",
+    "data.train_size=256",
+    "data.heldout_size=16",
+    "eval.max_prompts=16",
+    "eval.n=2",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+]
+VOLATILE = ("time_", "tokens_per_s")
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _train(run_dir, extra=(), nproc=1, resume=False, popen=False):
+    base = [sys.executable, "-m", "megatron_gspo.cli.main"]
+    if nproc > 1:
+        base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(29500 + os.getpid() % 1000), "-m", "megatron_gspo.cli.main"]
+    cmd = base + ["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI, f"trainer.run_dir={run_dir}", *extra]
+    if resume:
+        cmd.append("--resume")
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return res
+
+
+def _rows(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r for r in rows}  # last occurrence of each step wins
+
+
+REQUIRED = (
+    "reward_mean", "accuracy", "response_length", "clip_frac_low_tok", "clip_frac_high_tok", "clip_frac_low_seq",
+    "clip_frac_high_seq", "seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "approx_kl", "grad_norm", "lr",
+    "time_generate", "time_update", "tokens_per_s",
+)
+
+
+@pytest.mark.slow
+def test_mini_run_writes_metrics_summary_and_checkpoint(tmp_path):
+    _train(tmp_path / "run")
+    rows = _rows(tmp_path / "run")
+    assert sorted(rows) == [1, 2, 3]
+    for r in rows.values():
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert r["num_sequences"] == 8 * 4
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_seconds"):
+        assert key in summary
+    assert summary["steps"] == 3
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_two_process_tensor_parallel_run(tmp_path):
+    _train(tmp_path / "tp2", ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.steps=2"], nproc=2)
+    rows = _rows(tmp_path / "tp2")
+    assert sorted(rows) == [1, 2]
+    assert rows[1]["num_sequences"] == 8 * 4
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(tmp_path):
+    steps = ["trainer.steps=4", "trainer.ckpt_every=1", "trainer.save_final=false"]
+    _train(tmp_path / "full", steps)
+    full = _rows(tmp_path / "full")
+
+    proc = _train(tmp_path / "killed", steps, popen=True)
+    latest = tmp_path / "killed" / "checkpoints" / "latest"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() == "iter_0000002":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed: " + proc.stdout.read()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed_from = int(latest.read_text().strip().split("_")[1])
+    assert resumed_from < 4
+    _train(tmp_path / "killed", steps, resume=True)
+    again = _rows(tmp_path / "killed")
+    assert sorted(again) == [1, 2, 3, 4]
+    for step in range(resumed_from + 1, 5):
+        for key, value in full[step].items():
+            if key.startswith(VOLATILE):
+                continue
+            assert again[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)

@@ -1,0 +1,46 @@
+"""The config surface: YAML + dot-list overrides, unknown keys and bad values named."""
+
+import pytest
+
+from megatron_gspo.training.config import RunConfig, dump_run_config, load_run_config
+
+EXAMPLE = "examples/tiny_moe_gspo.yaml"
+
+
+def test_example_loads_with_overrides():
+    cfg = load_run_config(EXAMPLE, ["trainer.steps=3", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    assert cfg.trainer.steps == 3 and cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel
+    assert cfg.loss.algorithm == "gspo" and cfg.loss.clip_range == (3e-4, 4e-4)
+    assert cfg.rollout.group_size == 8 and cfg.trainer.minibatches == 4
+
+
+def test_roundtrip_through_yaml(tmp_path):
+    cfg = load_run_config(EXAMPLE, ["loss.algorithm=grpo", "rollout.correction.level=sequence"])
+    dump_run_config(cfg, tmp_path / "c.yaml")
+    again = load_run_config(tmp_path / "c.yaml")
+    assert again == cfg and isinstance(again, RunConfig)
+    assert again.loss.clip_range == (0.2, 0.27)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.stepz=3", r"unknown config key trainer\.stepz"),
+        ("nosuch.key=1", r"unknown config key nosuch"),
+        ("trainer.steps=abc", r"trainer\.steps='abc' must be an integer"),
+        ("trainer.steps=0", r"trainer\.steps=0 must be >= 1"),
+        ("loss.algorithm=ppo", r"loss\.algorithm='ppo' is unknown"),
+        ("rollout.group_size=1", r"rollout\.group_size=1 must be >= 2"),
+        ("parallel.ep=0", r"parallel\.ep=0"),
+        ("model.dtype=fp8", r"model\.dtype='fp8'"),
+        ("trainer.steps", r"must look like key\.sub=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(EXAMPLE, [override])
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_run_config(tmp_path / "nope.yaml")
