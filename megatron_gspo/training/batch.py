@@ -125,3 +125,38 @@ def token_logprobs_from_logits(
         vocab_start_index=start,
     )
     return out._replace(token_logprobs=out.token_logprobs.reshape(b, s))
+
+
+def policy_forward_step(loss_fn, vocab_size: int, temperature: float, seq_len: int):
+    """The forward step megatron's schedule calls per micro-batch during a policy update.
+
+    Its loss function returns (sum of per-unit losses, number of units, metrics), the unit being what the
+    objective averages over: sequences (GSPO, GSPO-token, GRPO seq-mean-token-mean) or tokens (GRPO token-mean).
+    With `calculate_per_token_loss` megatron divides the gradient by the global number of units, so the update is
+    exactly that of the full minibatch's mean loss (training/engine.py).
+    """
+    positions = torch.arange(seq_len).unsqueeze(0)
+    token_mean = getattr(loss_fn, "aggregation", None) == "token-mean"
+
+    def forward_step(mb: RolloutBatch, model):
+        ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+        out = model(ids, positions.expand(ids.shape[0], -1), None)
+
+        def reduce(logits):
+            lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab_size, temperature)
+            if loss_fn.sequence_level:
+                old_sum = (mb.old_logprobs_NS * mb.loss_mask_NS).sum(-1)
+                res = loss_fn.from_sums(lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N, num_sequences=1)
+            else:
+                adv = mb.advantages_N
+                if mb.extra.get("token_weights_NS") is not None:
+                    adv = adv[:, None] * mb.extra["token_weights_NS"]
+                res = loss_fn(
+                    lp.token_logprobs, mb.old_logprobs_NS, adv, mb.loss_mask_NS, num_sequences=1, num_tokens=1
+                )
+            units = mb.loss_mask_NS.sum() if token_mean else torch.tensor(mb.num_sequences)
+            return res.loss, units.to(torch.int), {k: v.detach() for k, v in res.metrics.items()}
+
+        return out, reduce
+
+    return forward_step

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_gspo.algorithms import (
     combine_metrics,
@@ -21,7 +22,7 @@ from megatron_gspo.algorithms import (
 from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rewards.registry import RewardScorer
-from megatron_gspo.training.batch import RolloutBatch, pack_rollouts, token_logprobs_from_logits
+from megatron_gspo.training.batch import RolloutBatch, pack_rollouts, policy_forward_step, token_logprobs_from_logits
 from megatron_gspo.training.checkpoint import CheckpointManager
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
@@ -203,54 +204,46 @@ class GSPOTrainer:
         t = self.cfg.trainer
         metrics = []
         vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
-        positions = torch.arange(self.rt.seq_len).unsqueeze(0)
         loss_fn = self.policy_loss
-        token_mean = getattr(loss_fn, "aggregation", None) == "token-mean"
         for minibatch in batch.split(t.minibatches):
             mbs = min(t.micro_batch_size, minibatch.num_sequences)
             micro = minibatch.split(minibatch.num_sequences // mbs)
 
-            def fwd(mb: RolloutBatch, model):
-                ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
-                out = model(ids, positions.expand(ids.shape[0], -1), None)
-
-                def reduce(logits):
-                    lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab, temp)
-                    if loss_fn.sequence_level:
-                        old_sum = (mb.old_logprobs_NS * mb.loss_mask_NS).sum(-1)
-                        res = loss_fn.from_sums(lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N, num_sequences=1)
-                    else:
-                        adv = mb.advantages_N
-                        if mb.extra.get("token_weights_NS") is not None:
-                            adv = adv[:, None] * mb.extra["token_weights_NS"]
-                        res = loss_fn(
-                            lp.token_logprobs, mb.old_logprobs_NS, adv, mb.loss_mask_NS,
-                            num_sequences=1, num_tokens=1,
-                        )
-                    # (sum of per-unit losses, number of units): megatron divides the gradient by the global
-                    # number of units, i.e. the loss is the exact minibatch mean (training/engine.py).
-                    units = mb.loss_mask_NS.sum() if token_mean else torch.tensor(mb.num_sequences)
-                    return res.loss, units.to(torch.int), {k: v.detach() for k, v in res.metrics.items()}
-
-                return out, reduce
-
+            fwd = policy_forward_step(loss_fn, vocab, temp, self.rt.seq_len)
             parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
-            ok, grad_norm, _ = self.rt.optimizer.step()
-            grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-            if ok and math.isfinite(grad_norm):
-                self.rt.scheduler.step(increment=1)
-            else:
-                log.warning("step %d: non-finite loss or grad norm (%s): optimizer step skipped", self.step, grad_norm)
             loss_metrics = combine_metrics(parts) if parts else {}
+            ok, grad_norm = self._optimizer_step()
             metrics.append(
                 {
                     "loss_parts": loss_metrics,
                     "grad_norm": grad_norm,
-                    "skipped": float(not (ok and math.isfinite(grad_norm))),
+                    "skipped": float(not ok),
                     "lr": self.rt.optimizer.param_groups[0]["lr"],
                 }
             )
         return metrics
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""
+        bad = torch.zeros(1)
+        for model in self.rt.models:
+            for p in model.parameters():
+                grad = getattr(p, "main_grad", None)
+                if grad is not None and not torch.isfinite(grad).all():
+                    bad.fill_(1.0)
+                    break
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            log.warning("step %d: non-finite gradient: optimizer step skipped", self.step)
+            return False, float("nan")
+        ok, grad_norm, _ = self.rt.optimizer.step()
+        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+        if ok and math.isfinite(grad_norm):
+            self.rt.scheduler.step(increment=1)
+            return True, grad_norm
+        log.warning("step %d: non-finite grad norm (%s): optimizer step skipped", self.step, grad_norm)
+        return False, grad_norm
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""

@@ -1,0 +1,76 @@
+"""Rank function: one GSPO / GRPO policy-gradient pass through the trainer's forward step in any layout."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.models.parity import hf_state_dict, tiny_config
+
+N, SEQ = 8, 12
+
+
+def synthetic_batch(vocab: int):
+    from megatron_gspo.training.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (N, SEQ + 1), generator=g)
+    mask = torch.zeros(N, SEQ, dtype=torch.bool)
+    for i in range(N):
+        start = 2 + i % 3
+        mask[i, start : start + 2 + (i * 5) % 7] = True  # responses of different lengths
+    adv = torch.randn(N, generator=g)
+    return RolloutBatch(tokens_NL=tokens, loss_mask_NS=mask, engine_logprobs_NS=torch.zeros(N, SEQ),
+                        rewards_N=torch.zeros(N), advantages_N=adv)
+
+
+def policy_grads(layout: dict, algorithm: str, micro_batch_size: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.algorithms import PolicyLossConfig, combine_metrics, make_policy_loss
+    from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict
+    from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
+    from megatron_gspo.training.batch import policy_forward_step, token_logprobs_from_logits
+    from megatron_gspo.training.engine import build_ddp_model, forward_backward, unwrap
+
+    cfg = tiny_config()
+    parallel = ParallelConfig(**layout)
+    initialize(parallel, seed=5)
+    try:
+        chunks = build_ddp_model(cfg, parallel)
+        models = [unwrap(c) for c in chunks]
+        load_hf_state_dict(models, hf_state_dict(cfg))
+        batch = synthetic_batch(cfg.vocab_size)
+        # Old policy: the current log-probs shifted per sequence, so some GSPO sequences clip and some do not.
+        shift = torch.linspace(-2e-3, 2e-3, N)[:, None]
+        batch.old_logprobs_NS = torch.zeros(N, SEQ) + shift * batch.loss_mask_NS
+        loss_fn = make_policy_loss(PolicyLossConfig(algorithm=algorithm, clip_low=0.2, clip_high=0.2)
+                                   if algorithm != "gspo" else PolicyLossConfig(algorithm="gspo"))
+        # Old log-probs = exact current log-probs (+ shift): computed by a forward-only pass of the same model.
+
+        def lp_step(mb, model):
+            out = model(mb.tokens_NL[:, :-1], torch.arange(SEQ).unsqueeze(0).expand(mb.num_sequences, -1), None)
+            return out, lambda logits: (logits.sum() * 0, {"lp": token_logprobs_from_logits(
+                logits, mb.tokens_NL[:, 1:], mb.loss_mask_NS, cfg.vocab_size, 1.0).token_logprobs.detach()})
+
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        local = batch.rows(slice(dp_rank * N // dp, (dp_rank + 1) * N // dp))
+        with torch.no_grad():
+            outs = forward_backward(chunks, local.split(local.num_sequences // micro_batch_size), lp_step,
+                                    seq_length=SEQ, micro_batch_size=micro_batch_size, forward_only=True)
+        if outs:
+            local.old_logprobs_NS = torch.cat([o["lp"] for o in outs]) + local.old_logprobs_NS
+        parts = forward_backward(chunks, local.split(local.num_sequences // micro_batch_size),
+                                 policy_forward_step(loss_fn, cfg.vocab_size, 1.0, SEQ),
+                                 seq_length=SEQ, micro_batch_size=micro_batch_size)
+        metrics = {k: float(v) for k, v in combine_metrics(parts).items()} if parts else None
+        saved = []
+        for m in models:
+            for p in m.parameters():
+                saved.append((p, p.data))
+                p.data = p.main_grad.to(p.dtype)
+        grads = export_hf_state_dict(models)
+        for p, d in saved:
+            p.data = d
+        return {"grads": grads, "metrics": metrics}
+    finally:
+        shutdown()
