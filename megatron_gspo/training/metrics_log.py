@@ -103,10 +103,12 @@ class MetricsLogger:
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
 
     def log_step(self, step: int, metrics: dict) -> None:
-        self._write(self.metrics_file, step, metrics, "train")
+        if self.enabled:
+            self._write(self.metrics_file, step, metrics, "train")
 
     def log_eval(self, step: int, metrics: dict) -> None:
-        self._write(self.eval_file, step, metrics, "eval")
+        if self.enabled:
+            self._write(self.eval_file, step, metrics, "eval")
 
     def write_summary(self, summary: dict) -> None:
         if not self.enabled:
