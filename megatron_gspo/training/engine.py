@@ -106,9 +106,13 @@ def forward_backward(
         iterators = [iter(list(micro_batches)) for _ in range(n_chunks)]
     else:
         iterators = iter(list(micro_batches))
-    for m in chunks:
-        if not forward_only:
+    if not forward_only:
+        for m in chunks:
             m.zero_grad_buffer()
+            # The megatron optimizer leaves `param.grad` aliasing the DDP main-grad buffer; autograd would then
+            # accumulate into that buffer directly and the DDP hook would add the gradient a second time.
+            for p in m.parameters():
+                p.grad = None
     return fb(
         forward_step_func=step,
         data_iterator=iterators,

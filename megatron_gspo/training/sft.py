@@ -36,47 +36,17 @@ def _sft_batch(rt: Runtime, items) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, mask
 
 
+def sft_runtime(cfg: RunConfig) -> Runtime:
+    """A Runtime with the SFT optimizer settings."""
+    s = cfg.sft
+    return Runtime(cfg, OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, beta2=0.99, clip_grad=1.0), s.max_steps)
+
+
 def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
     """Trains until held-out greedy accuracy >= sft.target_accuracy (or sft.max_steps); saves the model."""
-    s = cfg.sft
-    optim = OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, beta2=0.99, clip_grad=1.0)
-    rt = Runtime(cfg, optim, s.max_steps)
+    rt = sft_runtime(cfg)
     try:
-        sampler = PromptSampler(rt.train_data, s.batch_size, seed=cfg.data.seed + 17)
-        vocab = rt.model_config.vocab_size
-        positions = torch.arange(rt.seq_len).unsqueeze(0)
-        mbs = min(cfg.trainer.micro_batch_size, s.batch_size // rt.dp.size)
-        start, step, acc = time.time(), 0, 0.0
-        history = []
-        for step in range(1, s.max_steps + 1):
-            tokens, mask = _sft_batch(rt, rt.shard(next(sampler)))
-            micro = list(zip(tokens.split(mbs), mask.split(mbs)))
-
-            def fwd(mb, model):
-                toks, m = mb
-                out = model(toks[:, :-1], positions.expand(toks.shape[0], -1), None)
-
-                def reduce(logits):
-                    lp = token_logprobs_from_logits(logits, toks[:, 1:], m, vocab, 1.0)
-                    loss = -lp.token_logprobs.sum()
-                    return loss, m.sum().to(torch.int), {"nll_sum": loss.detach(), "tokens": m.sum().float()}
-
-                return out, reduce
-
-            parts = forward_backward(rt.chunks, micro, fwd, seq_length=rt.seq_len, micro_batch_size=mbs)
-            ok, grad_norm, _ = rt.optimizer.step()
-            if ok:
-                rt.scheduler.step(increment=1)
-            if parts:
-                nll = sum(float(p["nll_sum"]) for p in parts) / max(1.0, sum(float(p["tokens"]) for p in parts))
-                history.append({"step": step, "nll": nll})
-            if step % s.eval_every == 0 or step == s.max_steps:
-                rt.engine.update_weights(rt.models, step)
-                acc = evaluate(rt, seed=step, temperature=0.0, max_prompts=s.eval_prompts)["eval_accuracy"]
-                log.info("sft step %d: held-out greedy accuracy %.3f", step, acc)
-                if s.target_accuracy and acc >= s.target_accuracy:
-                    break
-        result = {"sft_steps": step, "sft_accuracy": acc, "sft_seconds": time.time() - start}
+        result = sft_loop(rt)
         if out_dir:
             from megatron_gspo.checkpoint.model_io import save_model_checkpoint
 
@@ -85,3 +55,39 @@ def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
         return result
     finally:
         rt.close()
+
+
+def sft_loop(rt: Runtime) -> dict:
+    """The SFT steps on an existing Runtime; returns {sft_steps, sft_accuracy, sft_seconds}."""
+    cfg, s = rt.cfg, rt.cfg.sft
+    sampler = PromptSampler(rt.train_data, s.batch_size, seed=cfg.data.seed + 17)
+    vocab = rt.model_config.vocab_size
+    positions = torch.arange(rt.seq_len).unsqueeze(0)
+    mbs = min(cfg.trainer.micro_batch_size, s.batch_size // rt.dp.size)
+    start, step, acc = time.time(), 0, 0.0
+    for step in range(1, s.max_steps + 1):
+        tokens, mask = _sft_batch(rt, rt.shard(next(sampler)))
+        micro = list(zip(tokens.split(mbs), mask.split(mbs)))
+
+        def fwd(mb, model):
+            toks, m = mb
+            out = model(toks[:, :-1], positions.expand(toks.shape[0], -1), None)
+
+            def reduce(logits):
+                lp = token_logprobs_from_logits(logits, toks[:, 1:], m, vocab, 1.0)
+                loss = -lp.token_logprobs.sum()
+                return loss, m.sum().to(torch.int), {}
+
+            return out, reduce
+
+        forward_backward(rt.chunks, micro, fwd, seq_length=rt.seq_len, micro_batch_size=mbs)
+        ok, grad_norm, _ = rt.optimizer.step()
+        if ok:
+            rt.scheduler.step(increment=1)
+        if step % s.eval_every == 0 or step == s.max_steps:
+            rt.engine.update_weights(rt.models, step)
+            acc = evaluate(rt, seed=step, temperature=0.0, max_prompts=s.eval_prompts)["eval_accuracy"]
+            log.info("sft step %d: held-out greedy accuracy %.3f", step, acc)
+            if s.target_accuracy and acc >= s.target_accuracy:
+                break
+    return {"sft_steps": step, "sft_accuracy": acc, "sft_seconds": time.time() - start}

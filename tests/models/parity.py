@@ -79,11 +79,15 @@ def run_layout(layout: dict, model_overrides: dict | None = None, recompute: str
 
             return out, loss_func
 
+        # Two optimizer steps: the second forward/backward runs on updated weights (catches stale-gradient bugs).
+        first = forward_backward(chunks, micro, forward_step, seq_length=SEQ, micro_batch_size=micro[0].shape[0])
+        opt.step()
         reduced = forward_backward(chunks, micro, forward_step, seq_length=SEQ, micro_batch_size=micro[0].shape[0])
-        loss_sum = torch.tensor(sum(float(r["loss_sum"]) for r in reduced), dtype=torch.float64)
+        loss_sum = torch.tensor(sum(float(r["loss_sum"]) for r in first), dtype=torch.float64)
         torch.distributed.all_reduce(loss_sum)  # every rank then knows sum over all tokens (PP non-last add 0)
         loss_sum /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
         loss = loss_sum / (BATCH * SEQ)
+        del reduced
 
         # Gradients: swap main_grad into the parameters and export them through the HF mapping.
         models = [unwrap(c) for c in chunks]

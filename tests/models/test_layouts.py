@@ -53,7 +53,7 @@ def test_gradients_match_single_process(layout_results, reference):
         assert abs(r["grad_norm"] - reference["grad_norm"]) < 1e-4
 
 
-def test_one_optimizer_step_gives_equal_weights(layout_results, reference):
+def test_optimizer_steps_give_equal_weights(layout_results, reference):
     name, results = layout_results
     before = canonical_hf_state_dict(hf_state_dict(tiny_config()))
     moved = max((reference["weights"][k] - before[k]).abs().max().item() for k in before)
