@@ -30,7 +30,11 @@ class RolloutBatch:
     """Old-policy per-token log-probs (recomputed or the engine's)."""
     prompt_lens_N: torch.Tensor | None = None
     response_lens_N: torch.Tensor | None = None
+    seq_index_N: torch.Tensor | None = None
+    """Index of each row in the rollout batch (routing replay looks routes up by it)."""
     extra: dict = field(default_factory=dict)
+    rollouts: list | None = None
+    """The Rollout objects of the whole batch, in row order (not carried into sub-batches)."""
 
     @property
     def num_sequences(self) -> int:
@@ -51,6 +55,7 @@ class RolloutBatch:
             old_logprobs_NS=pick(self.old_logprobs_NS),
             prompt_lens_N=pick(self.prompt_lens_N),
             response_lens_N=pick(self.response_lens_N),
+            seq_index_N=pick(self.seq_index_N),
             extra={k: v[idx] for k, v in self.extra.items()},
         )
 
@@ -93,6 +98,8 @@ def pack_rollouts(
         advantages_N=advantages.float(),
         prompt_lens_N=p_lens,
         response_lens_N=r_lens,
+        seq_index_N=torch.arange(n),
+        rollouts=list(rollouts),
     )
 
 
@@ -127,19 +134,22 @@ def token_logprobs_from_logits(
     return out._replace(token_logprobs=out.token_logprobs.reshape(b, s))
 
 
-def policy_forward_step(loss_fn, vocab_size: int, temperature: float, seq_len: int):
+def policy_forward_step(loss_fn, vocab_size: int, temperature: float, seq_len: int, before_forward=None):
     """The forward step megatron's schedule calls per micro-batch during a policy update.
 
     Its loss function returns (sum of per-unit losses, number of units, metrics), the unit being what the
     objective averages over: sequences (GSPO, GSPO-token, GRPO seq-mean-token-mean) or tokens (GRPO token-mean).
     With `calculate_per_token_loss` megatron divides the gradient by the global number of units, so the update is
-    exactly that of the full minibatch's mean loss (training/engine.py).
+    exactly that of the full minibatch's mean loss (training/engine.py). `before_forward(mb)` runs right before
+    each micro-batch's model forward (routing replay selects that micro-batch's routes there).
     """
     positions = torch.arange(seq_len).unsqueeze(0)
     token_mean = getattr(loss_fn, "aggregation", None) == "token-mean"
 
     def forward_step(mb: RolloutBatch, model):
         ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+        if before_forward is not None:
+            before_forward(mb)
         out = model(ids, positions.expand(ids.shape[0], -1), None)
 
         def reduce(logits):

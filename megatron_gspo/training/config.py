@@ -8,6 +8,7 @@ the overrides, rejects unknown keys (naming them and the known ones) and builds 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -199,6 +200,24 @@ class RunConfig:
 # ---------------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true / false. (YAML 1.1 reads `moe.routing_replay: off` as False.)"""
+
+
+_Loader.yaml_implicit_resolvers = {
+    key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool",
+    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ValueError(f"override {item!r} must look like key.sub=value")
@@ -206,7 +225,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ValueError(f"override {item!r} has an empty key")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    value = _yaml_load(raw) if raw.strip() else ""
     return key.split("."), value
 
 
@@ -247,6 +266,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ValueError(f"{key}={value!r} must be an integer")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-4" (no dot) as a string; users write learning rates that way.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key}={value!r} must be a number")
         return float(value)
@@ -288,7 +313,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = _yaml_load(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ValueError(f"{path}: invalid YAML ({err})") from err
         if not isinstance(loaded, dict):

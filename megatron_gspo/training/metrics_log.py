@@ -39,6 +39,8 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
     rollouts = [g["rollout"] for g in gathered if g["rollout"] is not None]
     for key in rollouts[0]:
         out[key] = sum(r[key] for r in rollouts) / len(rollouts)
+    # Expert drift: each pipeline stage measured its own layers; store_route_change combined them already.
+    out.update(updates[0].get("drift") or {})
     out["grad_norm"] = sum(u["grad_norm"] for u in updates) / len(updates)
     out["lr"] = updates[-1]["lr"]
     out["skipped_steps"] = sum(u["skipped"] for u in updates)

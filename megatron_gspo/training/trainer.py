@@ -20,6 +20,7 @@ from megatron_gspo.algorithms import (
     rollout_correction,
 )
 from megatron_gspo.data.dataset import PromptSampler
+from megatron_gspo.moe import MoEConfig
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import RolloutBatch, pack_rollouts, policy_forward_step, token_logprobs_from_logits
@@ -28,6 +29,7 @@ from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.metrics_log import MetricsLogger, reduce_step_metrics
+from megatron_gspo.training.routing import RoutingControl, drift_sample
 from megatron_gspo.training.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,11 @@ class GSPOTrainer:
         self.cfg = cfg
         t = cfg.trainer
         total_optimizer_steps = t.steps * t.minibatches
-        self.rt = Runtime(cfg, cfg.optim, total_optimizer_steps)
+        self.moe = MoEConfig.from_dict(cfg.moe)
+        self.rt = Runtime(cfg, cfg.optim, total_optimizer_steps, routing_replay=self.moe.needs_router_replay)
+        self.routing = RoutingControl(
+            self.moe, self.rt.chunks, self.rt.model_config.num_experts, self.rt.seq_len, cfg.rollout.old_logprobs
+        )
         if t.prompts_per_step % self.rt.dp.size:
             raise ValueError(
                 f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by the data-parallel size "
@@ -151,8 +157,12 @@ class GSPOTrainer:
         """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4)."""
         if self.cfg.rollout.old_logprobs == "engine":
             batch.old_logprobs_NS = batch.engine_logprobs_NS.clone()
+            if self.routing.active:
+                with self.routing.old_policy_pass(batch.rollouts, batch):
+                    self.compute_logprobs(drift_sample(batch, self.cfg.trainer.minibatches, self.moe.drift_sample_sequences))
             return {}
-        batch.old_logprobs_NS = self.compute_logprobs(batch)
+        with self.routing.old_policy_pass(batch.rollouts, batch):
+            batch.old_logprobs_NS = self.compute_logprobs(batch)
         weights, metrics = rollout_correction(
             batch.old_logprobs_NS,
             batch.engine_logprobs_NS,
@@ -177,6 +187,7 @@ class GSPOTrainer:
 
         def fwd(mb: RolloutBatch, model):
             ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+            self.routing.before_forward(mb)
             out = model(ids, positions.expand(ids.shape[0], -1), None)
 
             def reduce(logits):
@@ -205,14 +216,18 @@ class GSPOTrainer:
         metrics = []
         vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
         loss_fn = self.policy_loss
-        for minibatch in batch.split(t.minibatches):
+        drift: dict = {}
+        for k, minibatch in enumerate(batch.split(t.minibatches)):
             mbs = min(t.micro_batch_size, minibatch.num_sequences)
             micro = minibatch.split(minibatch.num_sequences // mbs)
 
-            fwd = policy_forward_step(loss_fn, vocab, temp, self.rt.seq_len)
-            parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
+            fwd = policy_forward_step(loss_fn, vocab, temp, self.rt.seq_len, self.routing.before_forward)
+            with self.routing.training_pass():
+                parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
             loss_metrics = combine_metrics(parts) if parts else {}
             ok, grad_norm = self._optimizer_step()
+            if k == 0 and self.routing.active and self.moe.measure_drift(self.step + 1):
+                drift = self.measure_drift(batch)
             metrics.append(
                 {
                     "loss_parts": loss_metrics,
@@ -221,7 +236,15 @@ class GSPOTrainer:
                     "lr": self.rt.optimizer.param_groups[0]["lr"],
                 }
             )
+        metrics[0]["drift"] = drift
         return metrics
+
+    def measure_drift(self, batch: RolloutBatch) -> dict:
+        """Expert drift after one optimizer step (paper §5.3): routes of the same sample before vs after."""
+        sample = drift_sample(batch, self.cfg.trainer.minibatches, self.moe.drift_sample_sequences)
+        with self.routing.record() as rec:
+            self.compute_logprobs(sample)
+        return self.routing.drift(batch, rec.routes, sample)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""
@@ -312,5 +335,6 @@ class GSPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
+        self.routing.close()
         self.rt.close()
 

@@ -114,3 +114,19 @@ def test_killed_run_resumes_exactly(tmp_path):
             if key.startswith(VOLATILE):
                 continue
             assert again[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["off", "r2", "r3"])
+def test_routing_replay_modes_run_and_report_drift(tmp_path, mode):
+    run = tmp_path / mode
+    _train(run, [f"moe.routing_replay={mode}", "trainer.steps=1", "optim.lr=0.05",
+                 "data.reward=tests.training.rewards:contains_one", "trainer.save_final=false"])
+    row = _rows(run)[1]
+    assert row["grad_norm"] > 0
+    assert 0 <= row["expert_drift"] <= 1 and "expert_drift_tokens_changed" in row
+    assert "expert_drift_layer3" in row
+    if mode == "off":
+        assert row["expert_drift"] > 0, "a large step should change some routing"
+    else:
+        assert row["routes_memory_bytes"] > 0

@@ -41,6 +41,17 @@ def test_bad_values_name_the_key(override, message):
         load_run_config(EXAMPLE, [override])
 
 
+def test_scientific_notation_without_a_dot_is_a_number():
+    assert load_run_config(EXAMPLE, ["optim.lr=3e-4"]).optim.lr == 3e-4
+
+
+def test_off_and_on_stay_strings(tmp_path):
+    cfg = load_run_config(EXAMPLE, ["moe.routing_replay=off", "trainer.progress=false"])
+    assert cfg.moe["routing_replay"] == "off" and cfg.trainer.progress is False
+    (tmp_path / "c.yaml").write_text("moe:\n  routing_replay: off\n")
+    assert load_run_config(tmp_path / "c.yaml").moe["routing_replay"] == "off"
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_run_config(tmp_path / "nope.yaml")

@@ -1,0 +1,110 @@
+"""Routing replay (R2 / R3) and expert-drift measurement inside the RL step (moe/ does the mechanics).
+
+- off: routers route freely; drift is still measured (it is the paper's §5.3 statistic for every algorithm).
+- r2: the old-policy pass records routes (RECORD); every training forward of the rollout batch replays them.
+- r3: the rollout engine's routes are replayed in the old-policy pass and in training.
+Drift: routes of the drift sample under pi_old (before the step) vs after the first optimizer step, over
+response tokens: 1 - mean |S_old ∩ S_new| / k, plus the fraction of tokens whose set changed in any layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron.core import parallel_state as ps
+
+from megatron_gspo.moe import MoEConfig, RouteStore, TokenLayout, response_token_mask, store_route_change
+from megatron_gspo.training.batch import RolloutBatch
+
+
+class RoutingControl:
+    """One per trainer. `before_forward(mb)` must run before every micro-batch forward (all phases)."""
+
+    def __init__(self, moe: MoEConfig, chunks: list, num_experts: int, seq_len: int, old_logprobs: str):
+        self.moe = moe
+        self.seq_len = seq_len
+        self.routes: RouteStore | None = None
+        self.pre_routes: RouteStore | None = None
+        if moe.routing_replay == "r2" and old_logprobs != "recompute":
+            raise ValueError(
+                "moe.routing_replay=r2 records routes in the old-policy pass: set rollout.old_logprobs=recompute"
+            )
+        self.rr = None
+        if moe.needs_router_replay:
+            from megatron_gspo.moe import RoutingReplay
+
+            self.rr = RoutingReplay(chunks, num_experts, mode=moe.routing_replay if moe.replays else "r2")
+
+    @property
+    def active(self) -> bool:
+        return self.rr is not None
+
+    def before_forward(self, mb: RolloutBatch) -> None:
+        if self.rr is None:
+            return
+        lengths = (mb.prompt_lens_N + mb.response_lens_N - 1).tolist()
+        self.rr.set_microbatch(mb.seq_index_N.tolist(), TokenLayout.padded(lengths, self.seq_len))
+
+    # ---- phases -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def old_policy_pass(self, rollouts, batch: RolloutBatch):
+        """Around the old-policy log-prob pass: R2 / drift record, R3 replays the engine's routes."""
+        self.routes = self.pre_routes = None
+        if self.rr is None:
+            yield
+            return
+        if self.moe.routing_replay == "r3":
+            self.routes = RouteStore.from_rollouts(rollouts, self._num_experts())
+            # The engine routed the rollouts under pi_old: its routes are the "before" side of the drift.
+            self.pre_routes = self.routes
+            with self.rr.replay(self.routes):
+                yield
+            return
+        with self.rr.record() as rec:
+            yield
+        self.pre_routes = rec.routes
+        if self.moe.routing_replay == "r2":
+            self.routes = rec.routes
+
+    def training_pass(self):
+        """Around each minibatch's forward/backward: replay for r2 / r3, free routing otherwise."""
+        if self.rr is None:
+            return contextlib.nullcontext()
+        if self.moe.replays and self.routes is not None:
+            return self.rr.replay(self.routes)
+        return self.rr.off()
+
+    def record(self):
+        """A recording context (drift measurement passes)."""
+        return self.rr.record()
+
+    def _num_experts(self) -> int:
+        return int(self.rr.num_experts) if hasattr(self.rr, "num_experts") else 0
+
+    def drift(self, batch: RolloutBatch, post: RouteStore, sample: RolloutBatch) -> dict:
+        """Expert drift between pi_old routes (recorded before the step) and `post` on the sample's responses."""
+        if self.pre_routes is None:
+            return {}
+        idx = sample.seq_index_N.tolist()
+        masks = {
+            int(i): response_token_mask(int(p), int(p + r - 1))
+            for i, p, r in zip(idx, sample.prompt_lens_N.tolist(), sample.response_lens_N.tolist())
+        }
+        group = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+        metrics = store_route_change(self.pre_routes, post, masks=masks, seq_indices=idx, group=group)
+        if self.routes is not None:
+            metrics.update({k: float(v) for k, v in self.rr.metrics(self.routes).items()})
+        return metrics
+
+    def close(self) -> None:
+        if self.rr is not None:
+            self.rr.close()
+
+
+def drift_sample(batch: RolloutBatch, minibatches: int, sample_sequences: int) -> RolloutBatch:
+    """The sequences the drift is measured on: the first minibatch, or its first `sample_sequences`."""
+    first = batch.split(minibatches)[0]
+    if sample_sequences and sample_sequences < first.num_sequences:
+        return first.rows(slice(0, sample_sequences))
+    return first
+
