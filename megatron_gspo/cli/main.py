@@ -1,4 +1,4 @@
-"""`megatron-gspo` command line: train | sft | eval | demo | convert | plan | plot."""
+"""`megatron-gspo` command line: train | sft | eval | demo | stability | convert | plan | plot."""
 
 from __future__ import annotations
 
@@ -96,6 +96,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_stability(args) -> int:
+    from megatron_gspo.training.runtime import configure_logging
+    from megatron_gspo.training.stability_benchmark import run_stability
+
+    configure_logging()
+    report = run_stability(args.config or str(DEMO_CONFIG), args.overrides, args.out, args.variants.split(","))
+    print(report.read_text() if report.is_file() else report)
+    return 0
+
+
 def cmd_convert(args) -> int:
     from megatron_gspo.checkpoint.convert import convert_main
 
@@ -134,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--run-dir", default="runs/demo")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("stability", help="GSPO vs GRPO vs GRPO + routing replay report (MoE stability)")
+    _config_args(p)
+    p.add_argument("--out", default="runs/stability", help="report directory")
+    p.add_argument("--variants", default="gspo,grpo,grpo_r2", help="comma list of gspo, grpo, grpo_r2, gspo_r2, grpo_r3")
+    p.set_defaults(func=cmd_stability)
     for name, func, text in (
         ("convert", cmd_convert, "HF <-> Megatron checkpoint conversion"),
         ("plan", cmd_plan, "layout / memory planner"),

@@ -1,0 +1,404 @@
+"""Checkpoint conversion: Hugging Face Qwen3-MoE safetensors <-> megatron-gspo model checkpoints.
+
+    megatron-gspo convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N --etp N] [--dtype bf16]
+    megatron-gspo convert megatron-to-hf --ckpt DIR --out DIR [--dtype bf16] [--tokenizer DIR] [--max-shard-size 5GB]
+
+Both run in one process or under torchrun (every rank then builds and handles only its own shards).
+
+Memory: hf-to-megatron validates names and shapes from the safetensors headers alone, then builds this rank's
+model shard and fills it through `HFCheckpointReader`, which reads one HF tensor when `load_hf_state_dict` asks for
+it (shards are memory-mapped, so untouched tensors cost nothing): beyond the model shard a rank holds one parameter's
+HF tensors (q/k/v, or gate/up, or one other tensor) plus that parameter's full megatron form. megatron-to-hf streams
+`iter_hf_tensors` (one gathered tensor at a time) into `write_hf_checkpoint` on rank 0, which keeps at most one
+output shard in memory.
+
+Errors in the input (missing / unexpected / mis-shaped tensors, an unsupported architecture, a config.json that
+disagrees with the weights) are reported before anything is built or written; output goes to a temporary directory
+renamed into place at the end, so a failed conversion leaves nothing at `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.checkpoint.hf_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DTYPE_NAMES,
+    HFCheckpointReader,
+    tokenizer_files,
+    parse_dtype,
+    write_hf_checkpoint,
+)
+from megatron_gspo.checkpoint.model_io import (
+    load_model_checkpoint,
+    read_checkpoint_info,
+    read_model_config,
+    resolve_model_checkpoint,
+    save_model_checkpoint,
+)
+from megatron_gspo.models.config import ModelConfig
+from megatron_gspo.models.hf_state import hf_tensor_shapes
+from megatron_gspo.parallel.config import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation (headers only)
+# ---------------------------------------------------------------------------------------------------------
+def inspect_hf_checkpoint(hf_dir: str | Path) -> tuple[ModelConfig, HFCheckpointReader]:
+    """Reads config.json and the safetensors headers of `hf_dir` and checks that they agree.
+
+    Returns the ModelConfig and an open lazy reader. Raises ValueError listing every problem (missing, unexpected
+    and mis-shaped tensors, with what the weights say about the config), FileNotFoundError for missing files.
+    No tensor data is read.
+    """
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json (is it a Hugging Face model directory?)")
+    try:
+        cfg = ModelConfig.from_hf_config(hf_dir)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{hf_dir / 'config.json'}: {err}") from err
+    reader = HFCheckpointReader(hf_dir)
+    problems = weight_problems(cfg, reader.shapes)
+    not_float = sorted(n for n, t in reader.shapes.items() if not t.dtype.is_floating_point)
+    if not_float:
+        problems.append(f"{len(not_float)} tensors are not floating point: {_listing(not_float)}")
+    if problems:
+        reader.close()
+        raise ValueError(
+            f"Hugging Face checkpoint {hf_dir} does not match its config.json:\n  - " + "\n  - ".join(problems)
+        )
+    return cfg, reader
+
+
+def weight_problems(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[str]:
+    """Human-readable differences between the tensors `cfg` implies and `shapes` (name -> tensor-like)."""
+    expected = hf_tensor_shapes(cfg)
+    missing = [n for n in expected if n not in shapes]
+    extra = sorted(n for n in shapes if n not in expected)
+    wrong = [
+        f"{n} {tuple(shapes[n].shape)} (expected {expected[n]})"
+        for n in expected
+        if n in shapes and tuple(shapes[n].shape) != expected[n]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensors: {_listing(extra)}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensors with wrong shapes: " + "; ".join(wrong[:6]) + _more(wrong, 6))
+    if problems:
+        problems += _config_hints(cfg, shapes)
+    return problems
+
+
+def _config_hints(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[str]:
+    """What the weights themselves say about the fields config.json sets differently."""
+    hints = []
+
+    def hint(field: str, theirs) -> None:
+        ours = getattr(cfg, field)
+        if theirs is not None and theirs != ours:
+            hints.append(f"config.json says {field}={ours} but the weights have {field}={theirs}")
+
+    layers = {int(m[1]) for n in shapes if (m := _LAYER.match(n))}
+    hint("num_hidden_layers", max(layers) + 1 if layers else None)
+    experts = {int(m[1]) for n in shapes if (m := _EXPERT.match(n))}
+    hint("num_experts", max(experts) + 1 if experts else None)
+
+    def dim(name: str, axis: int) -> int | None:
+        t = shapes.get(name)
+        return int(t.shape[axis]) if t is not None and len(t.shape) > axis else None
+
+    hint("vocab_size", dim("model.embed_tokens.weight", 0))
+    hint("hidden_size", dim("model.embed_tokens.weight", 1))
+    head_dim = dim("model.layers.0.self_attn.q_norm.weight", 0)
+    hint("head_dim", head_dim)
+    if head_dim:
+        q, k = dim("model.layers.0.self_attn.q_proj.weight", 0), dim("model.layers.0.self_attn.k_proj.weight", 0)
+        hint("num_attention_heads", q // head_dim if q else None)
+        hint("num_key_value_heads", k // head_dim if k else None)
+    hint("moe_intermediate_size", dim("model.layers.0.mlp.experts.0.gate_proj.weight", 0))
+    return hints
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    """Names grouped by layer ('model.layers.4.* (27 tensors)'), at most `limit` entries."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        m = _LAYER.match(n)
+        groups[f"model.layers.{m[1]}.*" if m else n].append(n)
+    items = []
+    for key, members in groups.items():
+        items.append(members[0] if len(members) == 1 else f"{key} ({len(members)} tensors, e.g. {members[0]})")
+    return ", ".join(items[:limit]) + _more(items, limit)
+
+
+def _more(items: list, shown: int) -> str:
+    return f", ... and {len(items) - shown} more" if len(items) > shown else ""
+
+
+def _stored_dtype(reader: HFCheckpointReader) -> torch.dtype:
+    """The dtype of most of the checkpoint's bytes."""
+    weight: dict[torch.dtype, int] = defaultdict(int)
+    for name, t in reader.shapes.items():
+        weight[t.dtype] += t.numel() * t.element_size()
+    dtype = max(weight, key=weight.get)
+    if dtype not in DTYPE_NAMES.values():
+        raise ValueError(f"the weights are stored as {dtype}; pass dtype=fp32, bf16 or fp16 explicitly")
+    return dtype
+
+
+def _check_out(out: Path, overwrite: bool, *sources: Path) -> None:
+    for src in sources:
+        if out.resolve() == src.resolve():
+            raise ValueError(f"--out {out} is the input directory; choose a new output directory")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} already exists; remove it, choose another directory or pass --overwrite")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Conversions
+# ---------------------------------------------------------------------------------------------------------
+class _ShardProgress:
+    """tqdm bar over the input shards: each tensor read advances it by its share of its shard's bytes."""
+
+    def __init__(self, reader: HFCheckpointReader, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.reader = reader
+        self.bar = tqdm(
+            total=len(reader.files),
+            desc="hf->megatron: reading shards",
+            unit="shard",
+            disable=not enabled,
+            bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} shards [{elapsed}<{remaining}]",
+        )
+
+    def __call__(self, name: str, nbytes: int, file: str) -> None:
+        self.bar.update(nbytes / max(1, self.reader.file_bytes[file]))
+
+    def close(self) -> None:
+        self.bar.n = round(self.bar.n, 6)
+        self.bar.close()
+
+
+def hf_to_megatron(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    parallel: ParallelConfig | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Converts a Hugging Face Qwen3-MoE checkpoint into a model checkpoint at `out_dir` (see model_io).
+
+    `parallel` is the layout to build in (default: one process; under torchrun it must fit the world size); the
+    result loads into any layout. `dtype`: fp32 / bf16 / fp16, or None to keep the dtype the weights are stored in.
+    Every rank calls it; each reads only the HF tensors of its own shard.
+    """
+    from megatron_gspo.models.build import BuildOptions, build_model, validate_layout
+    from megatron_gspo.models.hf_state import load_hf_state_dict
+    from megatron_gspo.parallel import initialize, shutdown
+
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    _check_out(out, overwrite, hf_dir)
+    parallel = parallel or ParallelConfig()
+    cfg, reader = inspect_hf_checkpoint(hf_dir)
+    owns_dist = not dist.is_initialized()
+    try:
+        dtype = parse_dtype(dtype) or _stored_dtype(reader)
+        validate_layout(cfg, parallel)
+        env = initialize(parallel)
+        chunks = build_model(cfg, parallel, BuildOptions(dtype=dtype))
+        bar = _ShardProgress(reader, enabled=progress and env.rank == 0)
+        reader.on_read = bar
+        try:
+            # strict=False: names and shapes were checked from the headers (strict would read every tensor).
+            load_hf_state_dict(chunks, reader, strict=False)
+        finally:
+            reader.on_read = None
+            bar.close()
+        save_model_checkpoint(chunks, out, cfg, metadata={"source": f"huggingface:{hf_dir.resolve()}"})
+        if env.rank == 0:
+            log.info("wrote model checkpoint %s (%s, built as %s)", out, str(dtype), parallel)
+        return out
+    finally:
+        reader.close()
+        if owns_dist:
+            shutdown()
+
+
+def megatron_to_hf(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    parallel: ParallelConfig | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Writes a model checkpoint (or trainer iteration dir) as a transformers-loadable HF checkpoint at `out_dir`.
+
+    Safetensors shards of at most `max_shard_bytes`, the index, config.json and, from `tokenizer_dir`, the tokenizer
+    files. `dtype` defaults to the checkpoint's. `parallel` is the layout to load in (default: one process; under
+    torchrun pass a layout that fits the world size). Every rank calls it; rank 0 writes.
+    """
+    from megatron_gspo.models.build import BuildOptions, build_model, validate_layout
+    from megatron_gspo.models.hf_state import iter_hf_tensors
+    from megatron_gspo.parallel import initialize, shutdown
+
+    root, out = resolve_model_checkpoint(ckpt_dir), Path(out_dir)
+    _check_out(out, overwrite, root)
+    if tokenizer_dir is not None:
+        tokenizer_files(tokenizer_dir)  # fail before any work
+    cfg = read_model_config(root)
+    stored = parse_dtype(read_checkpoint_info(root).get("dtype", "float32"))
+    out_dtype = parse_dtype(dtype) or stored
+    parallel = parallel or ParallelConfig()
+    validate_layout(cfg, parallel)
+    owns_dist = not dist.is_initialized()
+    try:
+        env = initialize(parallel)
+        chunks = build_model(cfg, parallel, BuildOptions(dtype=stored))
+        load_model_checkpoint(chunks, root)
+        stream = iter_hf_tensors(chunks, dst=0, dtype=out_dtype)
+        error = None
+        if env.rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(hf_tensor_shapes(cfg)), desc="megatron->hf", unit="tensor", disable=not progress)
+            try:
+                write_hf_checkpoint(
+                    stream,
+                    out,
+                    cfg,
+                    max_shard_bytes=max_shard_bytes,
+                    tokenizer_dir=tokenizer_dir,
+                    overwrite=overwrite,
+                    progress=lambda name, t: bar.update(),
+                )
+            except Exception as err:  # noqa: BLE001 - re-raised after the other ranks are released
+                error = err
+            finally:
+                bar.close()
+        for _ in stream:  # ranks > 0 take part in the gathers; rank 0 drains what is left after a failure
+            pass
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        if box[0] is not None:
+            raise RuntimeError(f"writing {out} failed on rank 0: {box[0]}")
+        return out
+    finally:
+        if owns_dist:
+            shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' (10^9), '200KB', '1GiB' (2^30), '1000000' -> bytes (transformers' max_shard_size convention)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 200KB")
+    unit = (m[2] or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0] if unit[0] in "KMGT" else "B"]
+    size = int(float(m[1]) * base**power)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return size
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-gspo convert", description="Convert Qwen3-MoE checkpoints between Hugging Face and Megatron."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{hf-to-megatron,megatron-to-hf}")
+    dtypes = ["auto", *DTYPE_NAMES]
+
+    def layout(p: argparse.ArgumentParser, what: str) -> None:
+        g = p.add_argument_group(f"layout to {what} in (default: one process; under torchrun it must fit)")
+        g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+        g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+        g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+        g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size")
+
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron dist checkpoint (loads in any layout)")
+    a.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    a.add_argument("--out", required=True, help="output model checkpoint directory (must not exist)")
+    a.add_argument("--dtype", choices=dtypes, default="auto", help="parameter dtype (auto: as stored)")
+    layout(a, "convert")
+    a.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    b = sub.add_parser("megatron-to-hf", help="megatron model checkpoint -> HF safetensors loadable by transformers")
+    b.add_argument("--ckpt", required=True, help="model checkpoint or trainer iteration directory")
+    b.add_argument("--out", required=True, help="output Hugging Face directory (must not exist)")
+    b.add_argument("--dtype", choices=dtypes, default="auto", help="output dtype (auto: as stored)")
+    b.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied next to the weights")
+    b.add_argument(
+        "--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, help="largest shard (e.g. 5GB, 200KB)"
+    )
+    layout(b, "load")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """Entry point of `megatron-gspo convert`: returns 0 on success, 2 on bad input (the error on stderr)."""
+    args = _parser().parse_args(argv)
+    try:
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, sequence_parallel=args.tp > 1)
+        if args.command == "hf-to-megatron":
+            out = hf_to_megatron(
+                args.hf, args.out, parallel, args.dtype, overwrite=args.overwrite, progress=not args.no_progress
+            )
+        else:
+            out = megatron_to_hf(
+                args.ckpt,
+                args.out,
+                dtype=args.dtype,
+                tokenizer_dir=args.tokenizer,
+                max_shard_bytes=args.max_shard_size,
+                parallel=parallel,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+            )
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"megatron-gspo convert {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(convert_main())

@@ -1,0 +1,353 @@
+"""The model checkpoint format shared by conversion and the trainer.
+
+A model checkpoint is a directory:
+
+    config.json          ModelConfig.to_hf_dict(): the architecture (transformers field names)
+    megatron_gspo.json   format version, parameter dtype, source, the layout it was written from (informational)
+    model/               megatron `dist_checkpointing` (torch_dist = PyTorch DCP) of the chunks' sharded_state_dict()
+
+Sharded tensor keys are global (megatron stacks layers along a leading axis with pipeline / virtual-pipeline
+offsets, and experts along an expert axis), so a checkpoint written from one TP / EP / PP / VPP layout loads into any
+other: dist_checkpointing reads just the slices each rank owns. The vocabulary padding of the embedding and LM head
+(which depends on TP) is handled by megatron's `allow_shape_mismatch` on those two tensors. Several virtual-pipeline
+chunks are stored as `{"model0": ..., "model1": ...}` like megatron-LM; a single chunk as its plain state dict.
+
+A trainer iteration directory is a model checkpoint plus its own extra files: `load_model_checkpoint` and
+`read_model_config` accept it, and `write_model_checkpoint` writes the model part into a directory the caller
+manages (the trainer's own temporary iteration directory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
+from megatron_gspo.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = "megatron_gspo.model"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+INFO_NAME = "megatron_gspo.json"
+MODEL_DIR = "model"
+
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "moe_intermediate_size",
+    "tie_word_embeddings",
+)
+"""ModelConfig fields that determine parameter shapes: always compared on load."""
+TRAINING_ONLY_FIELDS = ("router_aux_loss_coef", "max_position_embeddings")
+"""Fields that change neither the weights nor the function computed (aux-loss weight, RoPE cache length): never
+compared, so a run may set them differently from the checkpoint."""
+_RESERVED = ("format", "format_version", "dtype", "layout")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Directory layout
+# ---------------------------------------------------------------------------------------------------------
+def resolve_model_checkpoint(path: str | os.PathLike) -> Path:
+    """The model checkpoint directory for `path` (a model checkpoint, a trainer iteration dir, or its `model/`).
+
+    Raises FileNotFoundError naming what is missing.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model checkpoint {p} does not exist")
+    if not p.is_dir():
+        raise FileNotFoundError(f"model checkpoint {p} is not a directory")
+    if not (p / CONFIG_NAME).is_file() and (p / "metadata.json").is_file() and (p.parent / CONFIG_NAME).is_file():
+        p = p.parent  # pointed at the model/ subdirectory
+    missing = [n for n in (CONFIG_NAME, f"{MODEL_DIR}/metadata.json") if not (p / n).is_file()]
+    if missing:
+        hint = ""
+        inner = sorted(c.name for c in p.iterdir() if c.is_dir() and (c / CONFIG_NAME).is_file())
+        if inner:
+            hint = f"; it contains checkpoint directories: {', '.join(inner[:5])}"
+        raise FileNotFoundError(
+            f"{p} is not a megatron-gspo model checkpoint (missing {', '.join(missing)}){hint}"
+        )
+    return p
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig stored in a model checkpoint (or trainer iteration) directory."""
+    root = resolve_model_checkpoint(path)
+    try:
+        return ModelConfig.from_hf_config(root / CONFIG_NAME)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{root / CONFIG_NAME} is not a valid model config: {err}") from err
+
+
+def read_checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The contents of megatron_gspo.json ({} when the file is absent)."""
+    root = resolve_model_checkpoint(path)
+    info_path = root / INFO_NAME
+    if not info_path.is_file():
+        return {}
+    try:
+        info = json.loads(info_path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{info_path} is not valid JSON: {err}") from err
+    version = info.get("format_version", FORMAT_VERSION)
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"{info_path}: format_version {version} is newer than this megatron-gspo supports ({FORMAT_VERSION})"
+        )
+    return info
+
+
+def config_differences(saved: ModelConfig, built: ModelConfig, *, strict: bool = True) -> list[str]:
+    """'field: checkpoint X, model Y' for each compared field that differs (shape fields always; with `strict` also
+    routing / norm / RoPE fields; TRAINING_ONLY_FIELDS never)."""
+    names = [f.name for f in fields(ModelConfig) if f.name not in TRAINING_ONLY_FIELDS]
+    if not strict:
+        names = [n for n in names if n in SHAPE_FIELDS]
+    return [
+        f"{n}: checkpoint {getattr(saved, n)!r}, model {getattr(built, n)!r}"
+        for n in names
+        if getattr(saved, n) != getattr(built, n)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model chunks
+# ---------------------------------------------------------------------------------------------------------
+def _unwrap(chunks) -> list:
+    if not isinstance(chunks, (list, tuple)):
+        chunks = [chunks]
+    out = []
+    for c in chunks:
+        while hasattr(c, "module"):  # DDP / Float16Module wrappers
+            c = c.module
+        out.append(c)
+    if not out:
+        raise ValueError("no model chunks given")
+    return out
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """The dist_checkpointing state dict of this rank's chunks (plain for one chunk, model0/model1/... for VPP)."""
+    chunks = _unwrap(chunks)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _layout(chunks: list) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    cfg = chunks[0].config
+    return dict(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        virtual_pp=getattr(cfg, "virtual_pipeline_model_parallel_size", None),
+        sequence_parallel=bool(getattr(cfg, "sequence_parallel", False)),
+        world_size=dist.get_world_size(),
+    )
+
+
+def _require_dist() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call megatron_gspo.parallel.initialize first")
+
+
+def _rank0(action: Callable[[], Any], what: str) -> None:
+    """Runs `action` on rank 0 and tells every rank whether it worked (all raise if it did not)."""
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as err:  # noqa: BLE001 - re-raised below on every rank
+            error = err
+    box = [None if error is None else f"{type(error).__name__}: {error}"]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {box[0]}")
+
+
+def _dist_save_strategy():
+    """torch_dist (PyTorch DCP) written synchronously by each rank.
+
+    megatron-core's own torch_dist writer forks one worker process per file bucket and needs `psutil`, which is not
+    a megatron-core dependency (without it the workers die and the save hangs); forking also does not mix well with
+    open gloo/NCCL groups. The files are the same format: megatron's default torch_dist loader reads them.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed import checkpoint as dcp
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(
+                mcore_to_pyt_state_dict(flat, False),
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=MCoreSavePlanner(flatten_state_dict=False),
+            )
+
+    return InProcessTorchDistSave("torch_dist", 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------------------
+def write_model_checkpoint(
+    chunks, path: str | os.PathLike, model_config: ModelConfig, *, metadata: dict[str, Any] | None = None
+) -> None:
+    """Writes config.json, megatron_gspo.json and model/ into the existing directory `path` (all ranks call).
+
+    Not atomic: for callers that write into a temporary directory of their own (the trainer's iteration dir);
+    everyone else uses `save_model_checkpoint`.
+    """
+    from megatron.core import dist_checkpointing
+
+    _require_dist()
+    chunks = _unwrap(chunks)
+    built = getattr(chunks[0], "model_config", None)
+    diffs = config_differences(model_config, built) if built is not None else []
+    if diffs:
+        raise ValueError("model_config differs from the config the chunks were built with: " + "; ".join(diffs))
+    metadata = dict(metadata or {})
+    clash = [k for k in metadata if k in _RESERVED]
+    if clash:
+        raise ValueError(f"metadata keys {clash} are reserved by the checkpoint format")
+    info = dict(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        dtype=str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
+        layout=_layout(chunks),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **metadata,
+    )
+    info_text = json.dumps(info, indent=2) + "\n"  # fails early (every rank) for metadata that is not JSON
+    config_text = json.dumps(model_config.to_hf_dict(), indent=2) + "\n"
+    root = Path(path)
+    _rank0(lambda: (root / MODEL_DIR).mkdir(parents=True, exist_ok=True), f"creating {root / MODEL_DIR}")
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(root / MODEL_DIR), sharded_strategy=_dist_save_strategy())
+
+    def write_json() -> None:
+        (root / CONFIG_NAME).write_text(config_text)
+        (root / INFO_NAME).write_text(info_text)
+
+    _rank0(write_json, f"writing {root / CONFIG_NAME}")
+
+
+def save_model_checkpoint(
+    chunks, path: str | os.PathLike, model_config: ModelConfig, *, metadata: dict[str, Any] | None = None
+) -> Path:
+    """Saves the model chunks of every rank as a model checkpoint at `path` (all ranks call).
+
+    Everything is written into a temporary sibling directory that rank 0 renames to `path` after all ranks finished;
+    an existing `path` is replaced only then. On failure the temporary directory is removed and `path` is untouched.
+    `metadata` (JSON-serialisable, e.g. {"source": ...}) is merged into megatron_gspo.json.
+    """
+    _require_dist()
+    final = Path(path)
+    box = [temp_sibling(final, "tmp") if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    tmp: Path = box[0]
+    try:
+        _rank0(lambda: tmp.mkdir(parents=True), f"creating {tmp}")
+        write_model_checkpoint(chunks, tmp, model_config, metadata=metadata)
+        _rank0(lambda: replace_dir(tmp, final), f"moving {tmp} to {final}")
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------------------
+def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = True) -> dict[str, Any]:
+    """Loads a model checkpoint (or trainer iteration dir) into this rank's chunks, resharding to the current layout.
+
+    All ranks call. Raises ValueError naming the differing fields when config.json disagrees with the chunks'
+    ModelConfig (see `config_differences`), and listing tensors the checkpoint lacks or has in excess (with
+    `strict=False` shape fields must still match; routing/RoPE differences and tensors absent from the checkpoint
+    are logged, and those parameters keep their values). Returns megatron_gspo.json's contents.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    _require_dist()
+    root = resolve_model_checkpoint(path)
+    chunks = _unwrap(chunks)
+    info = read_checkpoint_info(root)
+    saved = read_model_config(root)
+    built = getattr(chunks[0], "model_config", None)
+    if built is not None:
+        diffs = config_differences(saved, built, strict=strict)
+        if diffs:
+            raise ValueError(f"{root / CONFIG_NAME} disagrees with the model being loaded: " + "; ".join(diffs))
+        for d in config_differences(saved, built, strict=True):  # only non-shape fields can be left here
+            log.warning("model checkpoint %s: %s (loading anyway, strict=False)", root, d)
+    sharded = model_sharded_state_dict(chunks)
+    try:
+        loaded, ckpt_only, model_only = dist_checkpointing.load(
+            sharded, str(root / MODEL_DIR), strict=StrictHandling.RETURN_ALL
+        )
+    except Exception as err:  # noqa: BLE001 - megatron / DCP raise many kinds; name the directory
+        raise ValueError(f"model checkpoint {root / MODEL_DIR} is unreadable or corrupt: {err}") from err
+    # megatron's naming: "missing" = in the checkpoint but not requested, "unexpected" = requested but not stored.
+    problems = []
+    if model_only:
+        problems.append(f"{len(model_only)} model tensors absent from the checkpoint: {_few(model_only)}")
+    if ckpt_only:
+        problems.append(f"{len(ckpt_only)} checkpoint tensors the model does not have: {_few(ckpt_only)}")
+    if problems and strict:
+        raise ValueError(f"model checkpoint {root} does not match the model: " + "; ".join(problems))
+    for p in problems:
+        log.warning("model checkpoint %s: %s", root, p)
+    parts = [loaded] if len(chunks) == 1 else [loaded[f"model{i}"] for i in range(len(chunks))]
+    for chunk, part in zip(chunks, parts):
+        chunk.load_state_dict(part, strict=strict)
+    return info
+
+
+def _few(keys, n: int = 5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+
+
+__all__ = [
+    "config_differences",
+    "load_model_checkpoint",
+    "model_sharded_state_dict",
+    "read_checkpoint_info",
+    "read_model_config",
+    "resolve_model_checkpoint",
+    "save_model_checkpoint",
+    "write_model_checkpoint",
+]
