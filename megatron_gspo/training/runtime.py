@@ -79,6 +79,9 @@ class Runtime:
         self.engine = self._make_engine()
         if cfg.model.load:
             self.load_model(cfg.model.load)
+        elif cfg.rollout.engine == "sglang":
+            # Servers start from their own checkpoint; push the trainer's weights so both policies are equal.
+            self.engine.update_weights(self.models, 0)
 
     # ---- helpers ----------------------------------------------------------------------------------------
     @property

@@ -130,3 +130,50 @@ def test_routing_replay_modes_run_and_report_drift(tmp_path, mode):
         assert row["expert_drift"] > 0, "a large step should change some routing"
     else:
         assert row["routes_memory_bytes"] > 0
+
+
+def test_nonfinite_gradient_skips_the_step_and_training_continues(tmp_path):
+    from tests.distributed import run_distributed
+    from tests.training.trainer_ranks import nonfinite_gradient_is_skipped
+
+    out = run_distributed(nonfinite_gradient_is_skipped, str(tmp_path / "nan"), world_size=1)[0]
+    assert out["skipped_ok"] is False and out["unchanged"]
+    assert out["ok"] is True and out["changed"] and out["norm"] > 0
+
+
+@pytest.mark.slow
+def test_grpo_token_mean_with_dynamic_sampling(tmp_path):
+    _train(tmp_path / "dyn", ["loss.algorithm=grpo", "loss.grpo_aggregation=token-mean", "rollout.dynamic_sampling=true",
+                              "data.reward=tests.training.rewards:contains_one", "trainer.steps=2",
+                              "trainer.save_final=false"])
+    rows = _rows(tmp_path / "dyn")
+    for r in rows.values():
+        assert r["num_sequences"] == 8 * 4  # topped up or padded back to the configured batch
+        assert "groups_dropped" in r
+        assert r["clip_frac_low_tok"] >= 0
+
+
+@pytest.mark.slow
+def test_sft_then_eval_and_train_from_its_checkpoint(tmp_path):
+    sft = [sys.executable, "-m", "megatron_gspo.cli.main", "sft", "--config", "examples/tiny_moe_gspo.yaml",
+           "--out", str(tmp_path / "sft"), "sft.max_steps=3", "sft.eval_every=3", "sft.eval_prompts=8",
+           "data.train_size=256", "data.heldout_size=16", "sft.batch_size=16", "trainer.micro_batch_size=16"]
+    res = subprocess.run(sft, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "sft" / "config.json").is_file()
+    ev = [sys.executable, "-m", "megatron_gspo.cli.main", "eval", "--config", "examples/tiny_moe_gspo.yaml",
+          f"model.load={tmp_path / 'sft'}", "data.heldout_size=16", "eval.max_prompts=16", "eval.n=3"]
+    res = subprocess.run(ev, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout[res.stdout.index("{"):])
+    assert result["eval_prompts"] == 16 and result["eval_samples_per_prompt"] == 3
+    assert 0 <= result["eval_pass@1"] <= result["eval_pass@3"] <= 1
+    _train(tmp_path / "rl", [f"model.load={tmp_path / 'sft'}", "trainer.steps=1", "trainer.save_final=false"])
+
+
+def test_bad_config_gives_a_one_line_error(tmp_path):
+    cmd = [sys.executable, "-m", "megatron_gspo.cli.main", "train", "--config", "examples/tiny_moe_gspo.yaml",
+           "trainer.stepz=3"]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("megatron-gspo: error: unknown config key trainer.stepz")
