@@ -1,1 +1,1 @@
-
+"""The `megatron-gspo` command line (cli/main.py)."""
