@@ -25,9 +25,11 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
     report_parts = tp0 and ps.is_pipeline_last_stage(ignore_virtual=True)
     report_rollout = tp0 and ps.get_pipeline_model_parallel_rank() == 0
     local_parts = [u["loss_parts"] for u in updates if u["loss_parts"]] if report_parts else []
+    engine = updates[0].get("engine_mismatch_parts") if report_parts else None
     gathered = rt.gather_objects(
         {
             "parts": [{k: v.item() for k, v in p.items()} for p in local_parts],
+            "engine": {k: v.item() for k, v in engine.items()} if engine else None,
             "rollout": rollout_stats if report_rollout else None,
         }
     )
@@ -35,6 +37,11 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
     out: dict = {}
     if parts:
         out.update({k: float(v) for k, v in combine_metrics(parts).items()})
+    engine_parts = [{k: torch.tensor(v) for k, v in g["engine"].items()} for g in gathered if g["engine"]]
+    if engine_parts:
+        merged = combine_metrics(engine_parts)
+        for key in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "approx_kl"):
+            out[f"mismatch_{key}"] = float(merged[key])
     # Equal-sized shares per data-parallel rank, so the mean of the replicas' means is the batch mean.
     rollouts = [g["rollout"] for g in gathered if g["rollout"] is not None]
     for key in rollouts[0]:

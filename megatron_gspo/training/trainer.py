@@ -217,6 +217,7 @@ class GSPOTrainer:
         vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
         loss_fn = self.policy_loss
         drift: dict = {}
+        engine_mismatch: dict = {}
         for k, minibatch in enumerate(batch.split(t.minibatches)):
             mbs = min(t.micro_batch_size, minibatch.num_sequences)
             micro = minibatch.split(minibatch.num_sequences // mbs)
@@ -225,6 +226,10 @@ class GSPOTrainer:
             with self.routing.training_pass():
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
             loss_metrics = combine_metrics(parts) if parts else {}
+            if k == 0 and self.cfg.rollout.old_logprobs == "engine":
+                # Before the first optimizer step pi_theta is the training engine's pi_old, so the first
+                # minibatch's ratios against the engine's log-probs are the train / inference mismatch.
+                engine_mismatch = dict(loss_metrics)
             ok, grad_norm = self._optimizer_step()
             if k == 0 and self.routing.active and self.moe.measure_drift(self.step + 1):
                 drift = self.measure_drift(batch)
@@ -237,6 +242,7 @@ class GSPOTrainer:
                 }
             )
         metrics[0]["drift"] = drift
+        metrics[0]["engine_mismatch_parts"] = engine_mismatch
         return metrics
 
     def measure_drift(self, batch: RolloutBatch) -> dict:

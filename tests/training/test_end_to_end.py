@@ -142,12 +142,16 @@ def test_nonfinite_gradient_skips_the_step_and_training_continues(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_token_mean_with_dynamic_sampling(tmp_path):
+def test_grpo_token_mean_dynamic_sampling_engine_logprobs(tmp_path):
     _train(tmp_path / "dyn", ["loss.algorithm=grpo", "loss.grpo_aggregation=token-mean", "rollout.dynamic_sampling=true",
                               "data.reward=tests.training.rewards:contains_one", "trainer.steps=2",
-                              "trainer.save_final=false"])
+                              "trainer.save_final=false", "rollout.old_logprobs=engine"])
     rows = _rows(tmp_path / "dyn")
     for r in rows.values():
+        # Engine log-probs as pi_old (paper §5.4): the local engine samples with the training model itself, so the
+        # measured train / inference mismatch is numerical noise.
+        assert r["mismatch_seq_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert abs(r["mismatch_approx_kl"]) < 1e-5
         assert r["num_sequences"] == 8 * 4  # topped up or padded back to the configured batch
         assert "groups_dropped" in r
         assert r["clip_frac_low_tok"] >= 0
