@@ -22,11 +22,16 @@ mg_trainer_args() {
         MG_ARGS+=(--resume)
     fi
     MG_ARGS+=("trainer.run_dir=$RUN_DIR")
-    if [[ "$sub" == train && -n "${ROLLOUT_URLS:-}" ]]; then
-        # The servers run already: the trainer attaches to them (SGLangConfig: mode, urls, router_url, colocated).
+    if [[ -n "${ROLLOUT_URLS:-}" ]]; then
+        # The servers run already: the trainer (RL, or SFT for its held-out checks) attaches to them
+        # (SGLangConfig: mode, urls, router_url, colocated). Weight sync needs each server's GPU count (the size
+        # of the NCCL group) and an address of trainer rank 0 that the servers reach (its rendezvous store).
         MG_ARGS+=(rollout.engine=sglang sglang.mode=attach "sglang.urls=[${ROLLOUT_URLS// /,}]")
         [[ -z "${ROUTER_URL:-}" ]] || MG_ARGS+=("sglang.router_url=$ROUTER_URL")
         [[ "${ROLLOUT_MODE:-none}" != colocated ]] || MG_ARGS+=(sglang.colocated=true)
+        [[ -z "${SGLANG_TP:-}" ]] || MG_ARGS+=("sglang.tp_size=$SGLANG_TP")
+        local sync_addr="${WEIGHT_SYNC_ADDR:-${MASTER_ADDR:-}}"
+        [[ -z "$sync_addr" ]] || MG_ARGS+=("sglang.master_address=$sync_addr")
     fi
     if [[ "$sub" == train && -n "${ROUTING_REPLAY:-}" ]]; then
         MG_ARGS+=("moe.routing_replay=$ROUTING_REPLAY")

@@ -1,0 +1,143 @@
+"""tools/gpu_smoke.sh on a CPU machine: syntax, every GPU part skipped (exit 0, fast, nothing written), and
+its bookkeeping (PASS / FAIL / SKIP, summary table, exit status) driven by a stub `nvidia-smi` and stub
+interpreters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
+PARTS = (
+    "install", "env", "kernels", "bench", "train-1gpu", "train-2gpu", "sglang-sft", "sglang-hf", "sglang-rl"
+)
+
+# A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with
+# CUDA, pytest passes, the benchmark prints a row (a failed one for STUB_FAIL=bench), `train` writes one
+# metrics row per step; anything else (e.g. `-c` one-liners) runs the real interpreter.
+STUB_PYTHON = f"""#!{sys.executable}
+import os, sys
+args = sys.argv[1:]
+fail = os.environ.get("STUB_FAIL", "")
+if args == ["-"]:
+    sys.stdin.read()
+    print("some import noise")
+    print("2.13.0", "12.8", os.environ.get("STUB_CUDA", "1"), os.environ.get("GPUS_STUB", "1"), "0")
+elif args[:2] == ["-m", "pytest"]:
+    print("2 passed in 3.0s")
+elif args and args[0].endswith("bench_logprob.py"):
+    print("| fused | failed: RuntimeError: boom |" if fail == "bench" else "| fused | 0.1 | 0.2 |")
+elif "megatron_gspo.cli.main" in args:
+    cmd = args[args.index("megatron_gspo.cli.main") + 1]
+    if cmd == fail:
+        sys.exit(3)
+    opts = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    if cmd == "train":
+        run = opts["trainer.run_dir"]
+        os.makedirs(run, exist_ok=True)
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.writelines("{{}}\\n" for _ in range(int(opts["trainer.steps"])))
+else:
+    os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+def _stub(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture()
+def smoke(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+
+    def run(gpu: bool, **env: str) -> subprocess.CompletedProcess:
+        nvidia = 'echo "GPU 0: NVIDIA H200 (UUID: GPU-stub)"' if gpu else "exit 9"
+        _stub(bindir / "nvidia-smi", f"#!/bin/bash\n{nvidia}\n")
+        full = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp), **env}
+        return subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=60)
+
+    return run, bindir, tmp
+
+
+def _table(out: str) -> dict[str, str]:
+    """part -> status, from the summary table."""
+    lines = out[out.index("gpu_smoke summary") :].splitlines()[2:]
+    return {line.split()[0]: line.split()[1] for line in lines if line.startswith("  ")}
+
+
+def test_bash_syntax():
+    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_cpu_machine_skips_everything(smoke):
+    run, _, tmp = smoke
+    proc = run(gpu=False)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    table = _table(proc.stdout)
+    assert table == {p: "SKIP" for p in PARTS}
+    assert proc.stdout.count("SKIP env: no NVIDIA GPU") == 1 and "gpu_smoke: OK" in proc.stdout
+    assert os.listdir(tmp) == []  # no work directory, no install
+
+
+def test_gpu_visible_but_torch_without_cuda_fails(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_CUDA="0",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 1
+    table = _table(proc.stdout)
+    assert table["install"] == "SKIP" and table["env"] == "FAIL"
+    assert all(table[p] == "SKIP" for p in PARTS[2:])
+    assert "sees no CUDA device" in proc.stdout and "gpu_smoke: FAILED" in proc.stdout
+
+
+def test_one_gpu_all_parts(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    sglang = _stub(bindir / "sglang-python", '#!/bin/bash\n[[ "$*" == "-c import sglang" ]]\n')
+    work = tmp_path / "w"
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), SGLANG_PYTHON=str(sglang),
+               GPU_SMOKE_DIR=str(work))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = _table(proc.stdout)
+    assert table == {**{p: "PASS" for p in PARTS}, "install": "SKIP", "train-2gpu": "SKIP"}
+    assert "needs >= 2 GPUs (found 1)" in proc.stdout
+    # One GPU: the server shares it, so weights go through the disk.
+    assert (work / "sglang-rl" / "metrics.jsonl").read_text().count("\n") == 2
+    launched = next(line for line in proc.stdout.splitlines() if line.startswith("== sglang-rl"))
+    assert "sglang.weight_sync=disk" in launched and "rollout.engine=sglang" in launched
+    assert "trainer.steps=2" in launched and f"sglang.python={sglang}" in launched
+
+
+def test_failures_and_missing_sglang(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="bench", GPUS_STUB="2",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 1
+    table = _table(proc.stdout)
+    assert table["bench"] == "FAIL" and table["train-1gpu"] == "PASS" and table["train-2gpu"] == "PASS"
+    assert "| failed: RuntimeError: boom" in proc.stdout
+    assert all(table[p] == "SKIP" for p in ("sglang-sft", "sglang-hf", "sglang-rl"))
+    assert "SGLANG_PYTHON is not set" in proc.stdout
+
+
+def test_budget_spent_skips(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), GPU_SMOKE_BUDGET_S="10",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 0
+    table = _table(proc.stdout)
+    assert table["env"] == "PASS" and table["kernels"] == "SKIP" and table["train-1gpu"] == "SKIP"
+    assert "time budget spent" in proc.stdout
