@@ -33,9 +33,11 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "lint": ["ruff", "mypy"],
-        # GPU clusters: TE for the fused layer spec; SGLang runs in its own environment (REFERENCE.md §6), the
-        # extra exists for single-environment setups that pin compatible versions themselves.
-        "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
+        # GPU clusters: TE for the fused layer spec, sglang-router for load balancing. SGLang itself pins its own
+        # torch / transformers and must live in a separate environment (REFERENCE.md §6): install the `rollout`
+        # extra there, never into the trainer's.
+        "gpu": ["transformer-engine[pytorch]", "sglang-router"],
+        "rollout": ["sglang", "sglang-router"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli.main:main"]},
 )

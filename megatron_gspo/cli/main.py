@@ -163,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # convert / plan own their argument parsers (argparse REMAINDER would swallow a leading --flag wrongly).
+    passthrough = {"convert": cmd_convert, "plan": cmd_plan}
+    if argv and argv[0] in passthrough:
+        try:
+            return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
+        except (ValueError, FileNotFoundError) as err:
+            print(f"megatron-gspo: error: {err}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -274,6 +274,14 @@ class GSPOTrainer:
         log.warning("step %d: non-finite grad norm (%s): optimizer step skipped", self.step, grad_norm)
         return False, grad_norm
 
+    def _colocated_memory(self, action: str) -> None:
+        """Colocated SGLang servers hand their GPU memory to training and take it back for the weight sync."""
+        engine = self.rt.engine
+        if not (self.cfg.rollout.engine == "sglang" and self.cfg.sglang.get("colocated", False)):
+            return
+        if getattr(engine, "leader", True):
+            (engine.release_memory if action == "release" else engine.resume_memory)()
+
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""
         self.rt.engine.update_weights(self.rt.models, self.step)
@@ -301,6 +309,7 @@ class GSPOTrainer:
             t0 = time.time()
             batch, rollout_stats = self.collect(step_seed=t.seed * 1_000_003 + self.step)
             times["time_generate"] = time.time() - t0
+            self._colocated_memory("release")
             t0 = time.time()
             mismatch = self.old_logprobs(batch)
             times["time_old_logprobs"] = time.time() - t0
@@ -309,6 +318,7 @@ class GSPOTrainer:
             times["time_update"] = time.time() - t0
             self.step += 1
             t0 = time.time()
+            self._colocated_memory("resume")
             self.sync_weights()
             times["time_sync"] = time.time() - t0
             step_metrics = reduce_step_metrics(self.rt, rollout_stats, updates, mismatch, times, batch)
