@@ -7,10 +7,14 @@ Both run in one process or under torchrun (every rank then builds and handles on
 
 Memory: hf-to-megatron validates names and shapes from the safetensors headers alone, then builds this rank's
 model shard and fills it through `HFCheckpointReader`, which reads one HF tensor when `load_hf_state_dict` asks for
-it (shards are memory-mapped, so untouched tensors cost nothing): beyond the model shard a rank holds one parameter's
-HF tensors (q/k/v, or gate/up, or one other tensor) plus that parameter's full megatron form. megatron-to-hf streams
-`iter_hf_tensors` (one gathered tensor at a time) into `write_hf_checkpoint` on rank 0, which keeps at most one
-output shard in memory.
+it (one shard memory-mapped at a time; tensors of other ranks are never read): beyond its model shard a rank holds
+one parameter's HF tensors (q/k/v, or gate/up, or one other) plus that parameter's full megatron form. So a 30B
+model needs no rank to hold all of it as long as the layout splits it (e.g. torchrun with --pp/--ep on CPU hosts;
+on GPUs the parameters live in device memory). megatron-to-hf streams `iter_hf_tensors` (one gathered tensor at a
+time) into `write_hf_checkpoint` on rank 0, which keeps at most one output shard in memory.
+
+Both functions (re)initialize megatron's parallel state for `parallel`: they are for conversion processes, not for
+calling inside a training run (a trainer exports its live model with `iter_hf_tensors` instead).
 
 Errors in the input (missing / unexpected / mis-shaped tensors, an unsupported architecture, a config.json that
 disagrees with the weights) are reported before anything is built or written; output goes to a temporary directory
@@ -20,6 +24,7 @@ renamed into place at the end, so a failed conversion leaves nothing at `--out`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -35,6 +40,7 @@ from megatron_gspo.checkpoint.hf_io import (
     DEFAULT_MAX_SHARD_BYTES,
     DTYPE_NAMES,
     HFCheckpointReader,
+    hf_config_extras,
     tokenizer_files,
     parse_dtype,
     write_hf_checkpoint,
@@ -77,12 +83,11 @@ def inspect_hf_checkpoint(hf_dir: str | Path) -> tuple[ModelConfig, HFCheckpoint
     problems = weight_problems(cfg, reader.shapes)
     not_float = sorted(n for n, t in reader.shapes.items() if not t.dtype.is_floating_point)
     if not_float:
-        problems.append(f"{len(not_float)} tensors are not floating point: {_listing(not_float)}")
+        problems.append(f"{_count(not_float)} not floating point: {_listing(not_float)}")
     if problems:
         reader.close()
-        raise ValueError(
-            f"Hugging Face checkpoint {hf_dir} does not match its config.json:\n  - " + "\n  - ".join(problems)
-        )
+        listing = "\n  - ".join(problems)
+        raise ValueError(f"Hugging Face checkpoint {hf_dir} does not match its config.json:\n  - {listing}")
     return cfg, reader
 
 
@@ -98,11 +103,11 @@ def weight_problems(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> lis
     ]
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing tensors: {_listing(missing)}")
+        problems.append(f"{_count(missing)} missing: {_listing(missing)}")
     if extra:
-        problems.append(f"{len(extra)} unexpected tensors: {_listing(extra)}")
+        problems.append(f"{_count(extra)} unexpected: {_listing(extra)}")
     if wrong:
-        problems.append(f"{len(wrong)} tensors with wrong shapes: " + "; ".join(wrong[:6]) + _more(wrong, 6))
+        problems.append(f"{_count(wrong)} with wrong shapes: " + "; ".join(wrong[:6]) + _more(wrong, 6))
     if problems:
         problems += _config_hints(cfg, shapes)
     return problems
@@ -131,7 +136,8 @@ def _config_hints(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[
     head_dim = dim("model.layers.0.self_attn.q_norm.weight", 0)
     hint("head_dim", head_dim)
     if head_dim:
-        q, k = dim("model.layers.0.self_attn.q_proj.weight", 0), dim("model.layers.0.self_attn.k_proj.weight", 0)
+        q = dim("model.layers.0.self_attn.q_proj.weight", 0)
+        k = dim("model.layers.0.self_attn.k_proj.weight", 0)
         hint("num_attention_heads", q // head_dim if q else None)
         hint("num_key_value_heads", k // head_dim if k else None)
     hint("moe_intermediate_size", dim("model.layers.0.mlp.experts.0.gate_proj.weight", 0))
@@ -144,10 +150,15 @@ def _listing(names: list[str], limit: int = 8) -> str:
     for n in names:
         m = _LAYER.match(n)
         groups[f"model.layers.{m[1]}.*" if m else n].append(n)
-    items = []
-    for key, members in groups.items():
-        items.append(members[0] if len(members) == 1 else f"{key} ({len(members)} tensors, e.g. {members[0]})")
+    items = [
+        members[0] if len(members) == 1 else f"{key} ({len(members)} tensors, e.g. {members[0]})"
+        for key, members in groups.items()
+    ]
     return ", ".join(items[:limit]) + _more(items, limit)
+
+
+def _count(items: list) -> str:
+    return f"{len(items)} tensor{'s' if len(items) != 1 else ''}"
 
 
 def _more(items: list, shown: int) -> str:
@@ -157,7 +168,7 @@ def _more(items: list, shown: int) -> str:
 def _stored_dtype(reader: HFCheckpointReader) -> torch.dtype:
     """The dtype of most of the checkpoint's bytes."""
     weight: dict[torch.dtype, int] = defaultdict(int)
-    for name, t in reader.shapes.items():
+    for t in reader.shapes.values():
         weight[t.dtype] += t.numel() * t.element_size()
     dtype = max(weight, key=weight.get)
     if dtype not in DTYPE_NAMES.values():
@@ -170,7 +181,9 @@ def _check_out(out: Path, overwrite: bool, *sources: Path) -> None:
         if out.resolve() == src.resolve():
             raise ValueError(f"--out {out} is the input directory; choose a new output directory")
     if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already exists; remove it, choose another directory or pass --overwrite")
+        raise FileExistsError(
+            f"--out {out} already exists; remove it, choose another directory or pass --overwrite"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -236,7 +249,11 @@ def hf_to_megatron(
         finally:
             reader.on_read = None
             bar.close()
-        save_model_checkpoint(chunks, out, cfg, metadata={"source": f"huggingface:{hf_dir.resolve()}"})
+        metadata = {
+            "source": f"huggingface:{hf_dir.resolve()}",
+            "hf_config_extras": hf_config_extras(json.loads((hf_dir / "config.json").read_text())),
+        }
+        save_model_checkpoint(chunks, out, cfg, metadata=metadata)
         if env.rank == 0:
             log.info("wrote model checkpoint %s (%s, built as %s)", out, str(dtype), parallel)
         return out
@@ -272,7 +289,8 @@ def megatron_to_hf(
     if tokenizer_dir is not None:
         tokenizer_files(tokenizer_dir)  # fail before any work
     cfg = read_model_config(root)
-    stored = parse_dtype(read_checkpoint_info(root).get("dtype", "float32"))
+    info = read_checkpoint_info(root)
+    stored = parse_dtype(info.get("dtype", "float32"))
     out_dtype = parse_dtype(dtype) or stored
     parallel = parallel or ParallelConfig()
     validate_layout(cfg, parallel)
@@ -286,7 +304,8 @@ def megatron_to_hf(
         if env.rank == 0:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(hf_tensor_shapes(cfg)), desc="megatron->hf", unit="tensor", disable=not progress)
+            total = len(hf_tensor_shapes(cfg))
+            bar = tqdm(total=total, desc="megatron->hf", unit="tensor", disable=not progress)
             try:
                 write_hf_checkpoint(
                     stream,
@@ -294,6 +313,7 @@ def megatron_to_hf(
                     cfg,
                     max_shard_bytes=max_shard_bytes,
                     tokenizer_dir=tokenizer_dir,
+                    config_extras=info.get("hf_config_extras"),
                     overwrite=overwrite,
                     progress=lambda name, t: bar.update(),
                 )
@@ -319,6 +339,7 @@ def megatron_to_hf(
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
+OVERWRITE_HELP = "replace an existing --out once the new one is complete"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 
 
@@ -338,7 +359,8 @@ def parse_size(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="megatron-gspo convert", description="Convert Qwen3-MoE checkpoints between Hugging Face and Megatron."
+        prog="megatron-gspo convert",
+        description="Convert Qwen3-MoE checkpoints between Hugging Face and Megatron.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{hf-to-megatron,megatron-to-hf}")
     dtypes = ["auto", *DTYPE_NAMES]
@@ -350,24 +372,27 @@ def _parser() -> argparse.ArgumentParser:
         g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
         g.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size")
 
-    a = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron dist checkpoint (loads in any layout)")
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron checkpoint (loads in any layout)")
     a.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
     a.add_argument("--out", required=True, help="output model checkpoint directory (must not exist)")
     a.add_argument("--dtype", choices=dtypes, default="auto", help="parameter dtype (auto: as stored)")
     layout(a, "convert")
-    a.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
+    a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    b = sub.add_parser("megatron-to-hf", help="megatron model checkpoint -> HF safetensors loadable by transformers")
+    b = sub.add_parser("megatron-to-hf", help="megatron model checkpoint -> HF safetensors for transformers")
     b.add_argument("--ckpt", required=True, help="model checkpoint or trainer iteration directory")
     b.add_argument("--out", required=True, help="output Hugging Face directory (must not exist)")
     b.add_argument("--dtype", choices=dtypes, default="auto", help="output dtype (auto: as stored)")
-    b.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied next to the weights")
+    b.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along")
     b.add_argument(
-        "--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, help="largest shard (e.g. 5GB, 200KB)"
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="largest shard (e.g. 5GB, 200KB)",
     )
     layout(b, "load")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
+    b.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -376,10 +401,18 @@ def convert_main(argv: list[str] | None = None) -> int:
     """Entry point of `megatron-gspo convert`: returns 0 on success, 2 on bad input (the error on stderr)."""
     args = _parser().parse_args(argv)
     try:
-        parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, sequence_parallel=args.tp > 1)
+        # sequence parallelism does not change the weights; megatron requires it for TP with MoE layers
+        parallel = ParallelConfig(
+            tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, sequence_parallel=args.tp > 1
+        )
         if args.command == "hf-to-megatron":
             out = hf_to_megatron(
-                args.hf, args.out, parallel, args.dtype, overwrite=args.overwrite, progress=not args.no_progress
+                args.hf,
+                args.out,
+                parallel,
+                args.dtype,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
             )
         else:
             out = megatron_to_hf(
@@ -396,8 +429,22 @@ def convert_main(argv: list[str] | None = None) -> int:
         print(f"megatron-gspo convert {args.command}: error: {err}", file=sys.stderr)
         return 2
     if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-        print(f"wrote {out}")
+        print(_summary(args.command, Path(out)))
     return 0
+
+
+def _summary(command: str, out: Path) -> str:
+    if command == "hf-to-megatron":
+        info = read_checkpoint_info(out)
+        lay = info.get("layout", {})
+        return (
+            f"wrote {out}: megatron model checkpoint, {info.get('dtype')}, written with tp={lay.get('tp')} "
+            f"pp={lay.get('pp')} ep={lay.get('ep')} (loads in any layout)"
+        )
+    shards = sorted(out.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in shards) / 1e6
+    extra = sorted(p.name for p in out.iterdir() if p.suffix != ".safetensors")
+    return f"wrote {out}: {len(shards)} safetensors shard(s), {size:.1f} MB, {', '.join(extra)}"
 
 
 if __name__ == "__main__":

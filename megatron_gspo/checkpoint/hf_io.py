@@ -2,9 +2,9 @@
 
 Reading: `HFCheckpointReader(dir)` is a `Mapping[str, Tensor]` over `model.safetensors.index.json` + its shards (or a
 single `model.safetensors`). It parses only the shard headers up front; a tensor is read from its shard (safetensors
-`safe_open`, memory-mapped) when it is looked up, so a consumer that handles one tensor at a time holds one tensor in
-anonymous memory. `reader.shapes` is a shape-only view (meta tensors) for validating names and shapes without reading
-any data.
+`safe_open`, memory-mapped, one shard open at a time) when it is looked up, so a consumer that handles one tensor at
+a time holds one tensor in memory. `reader.shapes` is a shape-only view (meta tensors) for validating names and
+shapes without reading any data.
 
 Writing: `write_hf_checkpoint(named_tensors, out_dir, model_config, max_shard_bytes=...)` consumes an iterable of
 (name, tensor), flushes a shard file whenever the next tensor would push it past `max_shard_bytes` (so it never holds
@@ -19,6 +19,7 @@ import os
 import shutil
 import struct
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -101,13 +102,21 @@ def _read_header(path: Path) -> dict[str, dict]:
 class HFCheckpointReader(Mapping):
     """Lazy `Mapping[str, Tensor]` over a (sharded) safetensors checkpoint directory.
 
-    Looking a name up reads that one tensor from its shard (shards are opened on first use, memory-mapped, and kept
-    open until `close()`). `on_read(name, nbytes, file)` is called after each read (progress reporting).
+    Looking a name up reads that one tensor from its shard with safetensors' `safe_open` (memory-mapped). At most
+    `max_open_shards` shards stay open (least recently used are closed), so the mapped pages stay bounded by that
+    many shards whatever the access order. `on_read(name, nbytes, file)` is called after each read (progress).
     """
 
-    def __init__(self, hf_dir: str | os.PathLike, on_read: Callable[[str, int, str], None] | None = None):
+    def __init__(
+        self,
+        hf_dir: str | os.PathLike,
+        on_read: Callable[[str, int, str], None] | None = None,
+        *,
+        max_open_shards: int = 1,
+    ):
         self.dir = Path(hf_dir)
         self.on_read = on_read
+        self.max_open_shards = max(1, max_open_shards)
         if not self.dir.is_dir():
             raise FileNotFoundError(f"Hugging Face checkpoint directory {self.dir} does not exist")
         index = self.dir / INDEX_NAME
@@ -115,7 +124,7 @@ class HFCheckpointReader(Mapping):
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {err}") from err
+                raise ValueError(f"{index} is not a safetensors index with a 'weight_map': {err}") from err
         elif (self.dir / SINGLE_NAME).is_file():
             weight_map = None
         else:
@@ -144,7 +153,8 @@ class HFCheckpointReader(Mapping):
                     continue
                 dtype = _DTYPES.get(entry.get("dtype"))
                 if dtype is None:
-                    raise ValueError(f"{self.dir / file}: tensor {name} has unsupported dtype {entry.get('dtype')}")
+                    kind = entry.get("dtype")
+                    raise ValueError(f"{self.dir / file}: tensor {name} has unsupported dtype {kind}")
                 start, end = entry["data_offsets"]
                 total += end - start
                 self._file_of[name] = file
@@ -152,17 +162,21 @@ class HFCheckpointReader(Mapping):
             self.file_bytes[file] = total
         if weight_map is not None:
             absent = [n for n, f in weight_map.items() if n not in self._file_of]
-            problems += [f"{n} is mapped to {weight_map[n]} but that file does not contain it" for n in absent[:5]]
+            problems += [f"{n} is mapped to {weight_map[n]} but that file lacks it" for n in absent[:5]]
         if problems:
-            raise ValueError(f"{self.dir}: the index and the shard files disagree: " + "; ".join(problems[:5]))
-        self._handles: dict[str, object] = {}
+            listing = "; ".join(problems[:5])
+            raise ValueError(f"{self.dir}: the index and the shard files disagree: {listing}")
+        self._handles: OrderedDict[str, object] = OrderedDict()
 
     # Mapping interface ----------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
         file = self._file_of[name]  # KeyError for unknown names, as a Mapping should
         handle = self._handles.get(file)
         if handle is None:
+            while len(self._handles) >= self.max_open_shards:
+                self._handles.popitem(last=False)
             handle = self._handles[file] = safe_open(str(self.dir / file), framework="pt")
+        self._handles.move_to_end(file)
         tensor = handle.get_tensor(name)
         if self.on_read is not None:
             self.on_read(name, tensor.numel() * tensor.element_size(), file)
@@ -214,9 +228,22 @@ def temp_sibling(path: Path, tag: str) -> Path:
     return path.parent / f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}"
 
 
-def hf_config_dict(model_config: ModelConfig, dtype: torch.dtype | None) -> dict:
-    """config.json body for `model_config` with the dtype of the written weights."""
-    data = model_config.to_hf_dict()
+_DERIVED_KEYS = frozenset(
+    {"num_local_experts", "rope_parameters", "rope_scaling", "dtype", "torch_dtype", "transformers_version"}
+)
+
+
+def hf_config_extras(hf_config: dict) -> dict:
+    """The entries of a source config.json that ModelConfig does not model (token ids, initializer range, ...),
+    kept so that an exported config.json can carry them again."""
+    ours = set(ModelConfig().to_hf_dict())
+    return {k: v for k, v in hf_config.items() if k not in ours and k not in _DERIVED_KEYS}
+
+
+def hf_config_dict(model_config: ModelConfig, dtype: torch.dtype | None, extras: dict | None = None) -> dict:
+    """config.json body for `model_config` with the dtype of the written weights; `extras` (see
+    `hf_config_extras`) fill in the fields ModelConfig does not model, never override it."""
+    data = {**hf_config_extras(extras or {}), **model_config.to_hf_dict()}
     data.pop("torch_dtype", None)
     if dtype is not None:
         data["dtype"] = str(dtype).removeprefix("torch.")
@@ -230,6 +257,7 @@ def write_hf_checkpoint(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer_dir: str | os.PathLike | None = None,
+    config_extras: dict | None = None,
     overwrite: bool = False,
     progress: Callable[[str, torch.Tensor], None] | None = None,
 ) -> Path:
@@ -240,12 +268,13 @@ def write_hf_checkpoint(
     `model.safetensors`; otherwise `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
     All output goes to a temporary sibling directory renamed to `out_dir` at the end: on any failure nothing is
     left at `out_dir`. An existing `out_dir` is an error unless `overwrite` (then it is replaced when complete).
+    `config_extras`: source config.json entries ModelConfig does not model (bos/eos token ids, ...) to carry over.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be > 0")
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; choose a new output directory (or overwrite it explicitly)")
+        raise FileExistsError(f"{out} already exists; choose a new output directory (or overwrite it)")
     tok_files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out, "tmp")
@@ -300,7 +329,8 @@ def write_hf_checkpoint(
                 "weight_map": {k: final[i] for k, i in sorted(weight_map.items())},
             }
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model_config, dtype), indent=2) + "\n")
+        config = hf_config_dict(model_config, dtype, config_extras)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for src in tok_files:
             shutil.copy2(src, tmp / src.name)
         replace_dir(tmp, out)
@@ -335,6 +365,7 @@ def tokenizer_files(tokenizer_dir: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
     found = [root / f for f in TOKENIZER_FILES if (root / f).is_file()]
-    if not any(f.name not in ("generation_config.json",) for f in found):
-        raise ValueError(f"{root} contains no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:7])}, ...)")
+    if not any(f.name != "generation_config.json" for f in found):
+        looked = ", ".join(TOKENIZER_FILES[:7])
+        raise ValueError(f"{root} contains no tokenizer files (looked for {looked}, ...)")
     return found

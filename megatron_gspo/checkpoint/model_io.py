@@ -19,17 +19,18 @@ manages (the trainer's own temporary iteration directory).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
@@ -59,6 +60,10 @@ TRAINING_ONLY_FIELDS = ("router_aux_loss_coef", "max_position_embeddings")
 """Fields that change neither the weights nor the function computed (aux-loss weight, RoPE cache length): never
 compared, so a run may set them differently from the checkpoint."""
 _RESERVED = ("format", "format_version", "dtype", "layout")
+INHERITED_KEYS = ("hf_config_extras",)
+"""megatron_gspo.json entries that follow the weights: `load_model_checkpoint` remembers them on the chunks and
+`write_model_checkpoint` writes them again (so a trainer checkpoint of a converted model exports the original HF
+config fields such as the token ids)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -74,7 +79,8 @@ def resolve_model_checkpoint(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"model checkpoint {p} does not exist")
     if not p.is_dir():
         raise FileNotFoundError(f"model checkpoint {p} is not a directory")
-    if not (p / CONFIG_NAME).is_file() and (p / "metadata.json").is_file() and (p.parent / CONFIG_NAME).is_file():
+    in_model_dir = (p / "metadata.json").is_file() and (p.parent / CONFIG_NAME).is_file()
+    if in_model_dir and not (p / CONFIG_NAME).is_file():
         p = p.parent  # pointed at the model/ subdirectory
     missing = [n for n in (CONFIG_NAME, f"{MODEL_DIR}/metadata.json") if not (p / n).is_file()]
     if missing:
@@ -110,7 +116,7 @@ def read_checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
     version = info.get("format_version", FORMAT_VERSION)
     if version > FORMAT_VERSION:
         raise ValueError(
-            f"{info_path}: format_version {version} is newer than this megatron-gspo supports ({FORMAT_VERSION})"
+            f"{info_path}: format_version {version} is newer than this megatron-gspo reads ({FORMAT_VERSION})"
         )
     return info
 
@@ -170,7 +176,7 @@ def _layout(chunks: list) -> dict[str, Any]:
 
 def _require_dist() -> None:
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call megatron_gspo.parallel.initialize first")
+        raise RuntimeError("torch.distributed is not initialized: call megatron_gspo.parallel.initialize")
 
 
 def _rank0(action: Callable[[], Any], what: str) -> None:
@@ -190,6 +196,16 @@ def _rank0(action: Callable[[], Any], what: str) -> None:
         raise RuntimeError(f"{what} failed on rank 0: {box[0]}")
 
 
+@contextlib.contextmanager
+def _quiet_dcp():
+    """Hides the FutureWarnings megatron-core 0.16's torch_dist code triggers in PyTorch DCP (deprecated
+    `load_state_dict` / ShardedTensor): not actionable for users."""
+    with warnings.catch_warnings():
+        for module in (r"torch\.distributed\.checkpoint", r"megatron\.core\.dist_checkpointing"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        yield
+
+
 def _dist_save_strategy():
     """torch_dist (PyTorch DCP) written synchronously by each rank.
 
@@ -207,7 +223,9 @@ def _dist_save_strategy():
 
     class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
             dcp.save(
                 mcore_to_pyt_state_dict(flat, False),
                 storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
@@ -235,8 +253,10 @@ def write_model_checkpoint(
     built = getattr(chunks[0], "model_config", None)
     diffs = config_differences(model_config, built) if built is not None else []
     if diffs:
-        raise ValueError("model_config differs from the config the chunks were built with: " + "; ".join(diffs))
-    metadata = dict(metadata or {})
+        listing = "; ".join(diffs)
+        raise ValueError(f"model_config differs from the config the chunks were built with: {listing}")
+    inherited = getattr(chunks[0], "checkpoint_info", None) or {}
+    metadata = {**{k: inherited[k] for k in INHERITED_KEYS if k in inherited}, **(metadata or {})}
     clash = [k for k in metadata if k in _RESERVED]
     if clash:
         raise ValueError(f"metadata keys {clash} are reserved by the checkpoint format")
@@ -248,11 +268,14 @@ def write_model_checkpoint(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **metadata,
     )
-    info_text = json.dumps(info, indent=2) + "\n"  # fails early (every rank) for metadata that is not JSON
+    info_text = json.dumps(info, indent=2, default=_json_value) + "\n"  # fails early on every rank
     config_text = json.dumps(model_config.to_hf_dict(), indent=2) + "\n"
     root = Path(path)
     _rank0(lambda: (root / MODEL_DIR).mkdir(parents=True, exist_ok=True), f"creating {root / MODEL_DIR}")
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(root / MODEL_DIR), sharded_strategy=_dist_save_strategy())
+    with _quiet_dcp():
+        dist_checkpointing.save(
+            model_sharded_state_dict(chunks), str(root / MODEL_DIR), sharded_strategy=_dist_save_strategy()
+        )
 
     def write_json() -> None:
         (root / CONFIG_NAME).write_text(config_text)
@@ -296,7 +319,8 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
     All ranks call. Raises ValueError naming the differing fields when config.json disagrees with the chunks'
     ModelConfig (see `config_differences`), and listing tensors the checkpoint lacks or has in excess (with
     `strict=False` shape fields must still match; routing/RoPE differences and tensors absent from the checkpoint
-    are logged, and those parameters keep their values). Returns megatron_gspo.json's contents.
+    are logged, and those parameters keep their values). Returns megatron_gspo.json's contents (also kept as
+    `chunk.checkpoint_info`, see INHERITED_KEYS).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -310,14 +334,16 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
     if built is not None:
         diffs = config_differences(saved, built, strict=strict)
         if diffs:
-            raise ValueError(f"{root / CONFIG_NAME} disagrees with the model being loaded: " + "; ".join(diffs))
+            listing = "; ".join(diffs)
+            raise ValueError(f"{root / CONFIG_NAME} disagrees with the model being loaded: {listing}")
         for d in config_differences(saved, built, strict=True):  # only non-shape fields can be left here
             log.warning("model checkpoint %s: %s (loading anyway, strict=False)", root, d)
     sharded = model_sharded_state_dict(chunks)
     try:
-        loaded, ckpt_only, model_only = dist_checkpointing.load(
-            sharded, str(root / MODEL_DIR), strict=StrictHandling.RETURN_ALL
-        )
+        with _quiet_dcp():
+            loaded, ckpt_only, model_only = dist_checkpointing.load(
+                sharded, str(root / MODEL_DIR), strict=StrictHandling.RETURN_ALL
+            )
     except Exception as err:  # noqa: BLE001 - megatron / DCP raise many kinds; name the directory
         raise ValueError(f"model checkpoint {root / MODEL_DIR} is unreadable or corrupt: {err}") from err
     # megatron's naming: "missing" = in the checkpoint but not requested, "unexpected" = requested but not stored.
@@ -333,7 +359,17 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
     parts = [loaded] if len(chunks) == 1 else [loaded[f"model{i}"] for i in range(len(chunks))]
     for chunk, part in zip(chunks, parts):
         chunk.load_state_dict(part, strict=strict)
+        chunk.checkpoint_info = info
     return info
+
+
+def _json_value(obj: Any) -> Any:
+    """numpy / torch scalars and paths in metadata; anything else is an error naming its type."""
+    if hasattr(obj, "item") and getattr(obj, "ndim", 0) == 0:
+        return obj.item()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"metadata value {obj!r} of type {type(obj).__name__} is not JSON-serialisable")
 
 
 def _few(keys, n: int = 5) -> str:
