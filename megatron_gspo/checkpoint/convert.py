@@ -190,15 +190,16 @@ def _check_out(out: Path, overwrite: bool, *sources: Path) -> None:
 # Conversions
 # ---------------------------------------------------------------------------------------------------------
 class _ShardProgress:
-    """tqdm bar over the input shards: each tensor read advances it by its share of its shard's bytes."""
+    """tqdm bar over the input shards: each tensor read advances it by its share of its shard's bytes. With several
+    ranks it shows rank 0, which reads only the tensors of its own model shard (so it may end below the total)."""
 
-    def __init__(self, reader: HFCheckpointReader, enabled: bool):
+    def __init__(self, reader: HFCheckpointReader, enabled: bool, world_size: int):
         from tqdm.auto import tqdm
 
         self.reader = reader
         self.bar = tqdm(
             total=len(reader.files),
-            desc="hf->megatron: reading shards",
+            desc="hf->megatron: reading shards" + (" (rank 0's tensors)" if world_size > 1 else ""),
             unit="shard",
             disable=not enabled,
             bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} shards [{elapsed}<{remaining}]",
@@ -241,7 +242,7 @@ def hf_to_megatron(
         validate_layout(cfg, parallel)
         env = initialize(parallel)
         chunks = build_model(cfg, parallel, BuildOptions(dtype=dtype))
-        bar = _ShardProgress(reader, enabled=progress and env.rank == 0)
+        bar = _ShardProgress(reader, enabled=progress and env.rank == 0, world_size=env.world_size)
         reader.on_read = bar
         try:
             # strict=False: names and shapes were checked from the headers (strict would read every tensor).
