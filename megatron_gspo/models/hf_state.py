@@ -371,7 +371,10 @@ def iter_hf_tensors(chunks, *, dst: int | None = None, dtype: torch.dtype | None
     owners = _owner_table(chunks, cfg)
     me = dist.get_rank()
     shapes = hf_tensor_shapes(cfg)
-    param_dtype = next(iter(local.values())).param.dtype if local else torch.float32
+    first = next(iter(local.values())).param if local else None
+    param_dtype = first.dtype if first is not None else torch.float32
+    # Receive buffers live where the collectives run: the GPU under NCCL, the CPU under gloo.
+    device = first.device if first is not None else torch.device("cpu")
     for key in _global_order(cfg):
         if key not in owners:
             raise RuntimeError(f"no rank owns {key}: the model chunks do not cover the whole model")
@@ -384,7 +387,7 @@ def iter_hf_tensors(chunks, *, dst: int | None = None, dtype: torch.dtype | None
         out = []
         for j, name in enumerate(names):
             if dst is None:
-                buf = tensors[j].contiguous() if me == src else torch.empty(shapes[name], dtype=param_dtype)
+                buf = tensors[j].contiguous() if me == src else torch.empty(shapes[name], dtype=param_dtype, device=device)
                 if dist.get_world_size() > 1:
                     dist.broadcast(buf, src=src)
                 out.append((name, buf))
@@ -394,7 +397,7 @@ def iter_hf_tensors(chunks, *, dst: int | None = None, dtype: torch.dtype | None
             elif me == src:
                 dist.send(tensors[j].contiguous(), dst=dst)
             elif me == dst:
-                buf = torch.empty(shapes[name], dtype=param_dtype)
+                buf = torch.empty(shapes[name], dtype=param_dtype, device=device)
                 dist.recv(buf, src=src)
                 out.append((name, buf))
         for name, t in out:
