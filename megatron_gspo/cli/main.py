@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # megatron-core warns at import about missing TE / apex and deprecated config fields: noise on the CPU path.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     # convert / plan own their argument parsers (argparse REMAINDER would swallow a leading --flag wrongly).
     passthrough = {"convert": cmd_convert, "plan": cmd_plan}
