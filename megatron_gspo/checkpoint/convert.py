@@ -53,13 +53,11 @@ from megatron_gspo.checkpoint.model_io import (
     save_model_checkpoint,
 )
 from megatron_gspo.models.config import ModelConfig
-from megatron_gspo.models.hf_state import hf_tensor_shapes
+from megatron_gspo.models.hf_state import count_tensors, hf_tensor_shapes, tensor_listing, weight_problems
 from megatron_gspo.parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,86 +81,12 @@ def inspect_hf_checkpoint(hf_dir: str | Path) -> tuple[ModelConfig, HFCheckpoint
     problems = weight_problems(cfg, reader.shapes)
     not_float = sorted(n for n, t in reader.shapes.items() if not t.dtype.is_floating_point)
     if not_float:
-        problems.append(f"{_count(not_float)} not floating point: {_listing(not_float)}")
+        problems.append(f"{count_tensors(not_float)} not floating point: {tensor_listing(not_float)}")
     if problems:
         reader.close()
         listing = "\n  - ".join(problems)
         raise ValueError(f"Hugging Face checkpoint {hf_dir} does not match its config.json:\n  - {listing}")
     return cfg, reader
-
-
-def weight_problems(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[str]:
-    """Human-readable differences between the tensors `cfg` implies and `shapes` (name -> tensor-like)."""
-    expected = hf_tensor_shapes(cfg)
-    missing = [n for n in expected if n not in shapes]
-    extra = sorted(n for n in shapes if n not in expected)
-    wrong = [
-        f"{n} {tuple(shapes[n].shape)} (expected {expected[n]})"
-        for n in expected
-        if n in shapes and tuple(shapes[n].shape) != expected[n]
-    ]
-    problems = []
-    if missing:
-        problems.append(f"{_count(missing)} missing: {_listing(missing)}")
-    if extra:
-        problems.append(f"{_count(extra)} unexpected: {_listing(extra)}")
-    if wrong:
-        problems.append(f"{_count(wrong)} with wrong shapes: " + "; ".join(wrong[:6]) + _more(wrong, 6))
-    if problems:
-        problems += _config_hints(cfg, shapes)
-    return problems
-
-
-def _config_hints(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[str]:
-    """What the weights themselves say about the fields config.json sets differently."""
-    hints = []
-
-    def hint(field: str, theirs) -> None:
-        ours = getattr(cfg, field)
-        if theirs is not None and theirs != ours:
-            hints.append(f"config.json says {field}={ours} but the weights have {field}={theirs}")
-
-    layers = {int(m[1]) for n in shapes if (m := _LAYER.match(n))}
-    hint("num_hidden_layers", max(layers) + 1 if layers else None)
-    experts = {int(m[1]) for n in shapes if (m := _EXPERT.match(n))}
-    hint("num_experts", max(experts) + 1 if experts else None)
-
-    def dim(name: str, axis: int) -> int | None:
-        t = shapes.get(name)
-        return int(t.shape[axis]) if t is not None and len(t.shape) > axis else None
-
-    hint("vocab_size", dim("model.embed_tokens.weight", 0))
-    hint("hidden_size", dim("model.embed_tokens.weight", 1))
-    head_dim = dim("model.layers.0.self_attn.q_norm.weight", 0)
-    hint("head_dim", head_dim)
-    if head_dim:
-        q = dim("model.layers.0.self_attn.q_proj.weight", 0)
-        k = dim("model.layers.0.self_attn.k_proj.weight", 0)
-        hint("num_attention_heads", q // head_dim if q else None)
-        hint("num_key_value_heads", k // head_dim if k else None)
-    hint("moe_intermediate_size", dim("model.layers.0.mlp.experts.0.gate_proj.weight", 0))
-    return hints
-
-
-def _listing(names: list[str], limit: int = 8) -> str:
-    """Names grouped by layer ('model.layers.4.* (27 tensors)'), at most `limit` entries."""
-    groups: dict[str, list[str]] = defaultdict(list)
-    for n in names:
-        m = _LAYER.match(n)
-        groups[f"model.layers.{m[1]}.*" if m else n].append(n)
-    items = [
-        members[0] if len(members) == 1 else f"{key} ({len(members)} tensors, e.g. {members[0]})"
-        for key, members in groups.items()
-    ]
-    return ", ".join(items[:limit]) + _more(items, limit)
-
-
-def _count(items: list) -> str:
-    return f"{len(items)} tensor{'s' if len(items) != 1 else ''}"
-
-
-def _more(items: list, shown: int) -> str:
-    return f", ... and {len(items) - shown} more" if len(items) > shown else ""
 
 
 def _stored_dtype(reader: HFCheckpointReader) -> torch.dtype:

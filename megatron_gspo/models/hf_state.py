@@ -24,6 +24,7 @@ tensor beyond what it returns.
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from megatron_gspo.models.config import ModelConfig
 
 _FUSED_GATE_UP = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.down_proj$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -86,28 +89,85 @@ def canonical_hf_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def check_hf_state_dict(cfg: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raises ValueError listing missing, unexpected and mis-shaped tensors."""
+def weight_problems(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[str]:
+    """Human-readable differences between the tensors `cfg` implies and `shapes` (name -> tensor-like)."""
     expected = hf_tensor_shapes(cfg)
-    names = set(state_dict)
-    if cfg.tie_word_embeddings:
-        names.discard("lm_head.weight")
-    missing = [n for n in expected if n not in names]
-    extra = sorted(names - set(expected))
-    bad = [
-        f"{n}: {tuple(state_dict[n].shape)} != expected {expected[n]}"
+    missing = [n for n in expected if n not in shapes]
+    extra = sorted(n for n in shapes if n not in expected)
+    wrong = [
+        f"{n} {tuple(shapes[n].shape)} (expected {expected[n]})"
         for n in expected
-        if n in names and tuple(state_dict[n].shape) != expected[n]
+        if n in shapes and tuple(shapes[n].shape) != expected[n]
     ]
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
+        problems.append(f"{count_tensors(missing)} missing: {tensor_listing(missing)}")
     if extra:
-        problems.append(f"{len(extra)} unexpected (e.g. {', '.join(extra[:3])})")
-    if bad:
-        problems.append(f"{len(bad)} with wrong shapes ({'; '.join(bad[:3])})")
+        problems.append(f"{count_tensors(extra)} unexpected: {tensor_listing(extra)}")
+    if wrong:
+        problems.append(f"{count_tensors(wrong)} with wrong shapes: " + "; ".join(wrong[:6]) + _more(wrong, 6))
     if problems:
-        raise ValueError("HF state dict does not match the model config: " + "; ".join(problems))
+        problems += _config_hints(cfg, shapes)
+    return problems
+
+
+def _config_hints(cfg: ModelConfig, shapes: Mapping[str, torch.Tensor]) -> list[str]:
+    """What the weights themselves say about the fields config.json sets differently."""
+    hints = []
+
+    def hint(field: str, theirs) -> None:
+        ours = getattr(cfg, field)
+        if theirs is not None and theirs != ours:
+            hints.append(f"config.json says {field}={ours} but the weights have {field}={theirs}")
+
+    layers = {int(m[1]) for n in shapes if (m := _LAYER.match(n))}
+    hint("num_hidden_layers", max(layers) + 1 if layers else None)
+    experts = {int(m[1]) for n in shapes if (m := _EXPERT.match(n))}
+    hint("num_experts", max(experts) + 1 if experts else None)
+
+    def dim(name: str, axis: int) -> int | None:
+        t = shapes.get(name)
+        return int(t.shape[axis]) if t is not None and len(t.shape) > axis else None
+
+    hint("vocab_size", dim("model.embed_tokens.weight", 0))
+    hint("hidden_size", dim("model.embed_tokens.weight", 1))
+    head_dim = dim("model.layers.0.self_attn.q_norm.weight", 0)
+    hint("head_dim", head_dim)
+    if head_dim:
+        q = dim("model.layers.0.self_attn.q_proj.weight", 0)
+        k = dim("model.layers.0.self_attn.k_proj.weight", 0)
+        hint("num_attention_heads", q // head_dim if q else None)
+        hint("num_key_value_heads", k // head_dim if k else None)
+    hint("moe_intermediate_size", dim("model.layers.0.mlp.experts.0.gate_proj.weight", 0))
+    return hints
+
+
+def tensor_listing(names: list[str], limit: int = 8) -> str:
+    """Names grouped by layer ('model.layers.4.* (27 tensors)'), at most `limit` entries."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        m = _LAYER.match(n)
+        groups[f"model.layers.{m[1]}.*" if m else n].append(n)
+    items = [
+        members[0] if len(members) == 1 else f"{key} ({len(members)} tensors, e.g. {members[0]})"
+        for key, members in groups.items()
+    ]
+    return ", ".join(items[:limit]) + _more(items, limit)
+
+
+def count_tensors(items: list) -> str:
+    return f"{len(items)} tensor{'s' if len(items) != 1 else ''}"
+
+
+def _more(items: list, shown: int) -> str:
+    return f", ... and {len(items) - shown} more" if len(items) > shown else ""
+
+
+def check_hf_state_dict(cfg: ModelConfig, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raises ValueError listing missing, unexpected and mis-shaped tensors."""
+    problems = weight_problems(cfg, state_dict)
+    if problems:
+        raise ValueError("HF state dict does not match the model config:\n  - " + "\n  - ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------------------
