@@ -30,7 +30,6 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
