@@ -25,6 +25,8 @@ class RoutingControl:
         self.seq_len = seq_len
         self.routes: RouteStore | None = None
         self.pre_routes: RouteStore | None = None
+        self.mismatch: dict = {}
+        """Routing mismatch rollout engine vs trainer of the last old-policy pass (off / r2 modes)."""
         if moe.routing_replay == "r2" and old_logprobs != "recompute":
             raise ValueError(
                 "moe.routing_replay=r2 records routes in the old-policy pass: set rollout.old_logprobs=recompute"
@@ -50,6 +52,7 @@ class RoutingControl:
     def old_policy_pass(self, rollouts, batch: RolloutBatch):
         """Around the old-policy log-prob pass: R2 / drift record, R3 replays the engine's routes."""
         self.routes = self.pre_routes = None
+        self.mismatch = {}
         if self.rr is None:
             yield
             return
@@ -65,6 +68,22 @@ class RoutingControl:
         self.pre_routes = rec.routes
         if self.moe.routing_replay == "r2":
             self.routes = rec.routes
+        self.mismatch = self._routing_mismatch(rollouts, batch, rec.routes)
+
+    def _routing_mismatch(self, rollouts, batch: RolloutBatch, trainer_routes: RouteStore) -> dict:
+        """Rollout-engine routes vs the trainer's own routes for the same tokens and weights (response tokens)."""
+        if not rollouts or any(r.routed_experts is None for r in rollouts):
+            return {}
+        engine_routes = RouteStore.from_rollouts(rollouts, self._num_experts())
+        idx = batch.seq_index_N.tolist()
+        masks = {
+            int(i): response_token_mask(int(p), int(p + r - 1))
+            for i, p, r in zip(idx, batch.prompt_lens_N.tolist(), batch.response_lens_N.tolist())
+        }
+        group = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+        return store_route_change(
+            engine_routes, trainer_routes, masks=masks, seq_indices=idx, group=group, prefix="routing_mismatch"
+        )
 
     def training_pass(self):
         """Around each minibatch's forward/backward: replay for r2 / r3, free routing otherwise."""

@@ -241,7 +241,7 @@ class GSPOTrainer:
                     "lr": self.rt.optimizer.param_groups[0]["lr"],
                 }
             )
-        metrics[0]["drift"] = drift
+        metrics[0]["drift"] = {**drift, **self.routing.mismatch}
         metrics[0]["engine_mismatch_parts"] = engine_mismatch
         return metrics
 
