@@ -75,11 +75,17 @@ class RoutingControl:
         if not rollouts or any(r.routed_experts is None for r in rollouts):
             return {}
         engine_routes = RouteStore.from_rollouts(rollouts, self._num_experts())
-        idx = batch.seq_index_N.tolist()
-        masks = {
-            int(i): response_token_mask(int(p), int(p + r - 1))
-            for i, p, r in zip(idx, batch.prompt_lens_N.tolist(), batch.response_lens_N.tolist())
-        }
+        # Only the recorded sequences (all of them, or the drift sample when pi_old came from the engine).
+        recorded = set(trainer_routes.seq_indices)
+        rows = [
+            (int(i), int(p), int(r))
+            for i, p, r in zip(batch.seq_index_N.tolist(), batch.prompt_lens_N.tolist(), batch.response_lens_N.tolist())
+            if int(i) in recorded
+        ]
+        if not rows:
+            return {}
+        idx = [i for i, _, _ in rows]
+        masks = {i: response_token_mask(p, p + r - 1) for i, p, r in rows}
         group = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
         return store_route_change(
             engine_routes, trainer_routes, masks=masks, seq_indices=idx, group=group, prefix="routing_mismatch"
