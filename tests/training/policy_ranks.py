@@ -43,8 +43,9 @@ def policy_grads(layout: dict, algorithm: str, micro_batch_size: int) -> dict:
         # Old policy: the current log-probs shifted per sequence, so some GSPO sequences clip and some do not.
         shift = torch.linspace(-2e-3, 2e-3, N)[:, None]
         batch.old_logprobs_NS = torch.zeros(N, SEQ) + shift * batch.loss_mask_NS
+        # GSPO and GSPO-token keep the paper's clip range; GRPO gets one its token ratios can reach here.
         loss_fn = make_policy_loss(PolicyLossConfig(algorithm=algorithm, clip_low=0.2, clip_high=0.2)
-                                   if algorithm != "gspo" else PolicyLossConfig(algorithm="gspo"))
+                                   if algorithm == "grpo" else PolicyLossConfig(algorithm=algorithm))
         # Old log-probs = exact current log-probs (+ shift): computed by a forward-only pass of the same model.
 
         def lp_step(mb, model):

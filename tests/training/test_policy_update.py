@@ -26,3 +26,14 @@ def test_micro_batches_and_data_parallel_ranks_sum_to_the_full_batch(algorithm):
         # The shifted old policy makes the paper's narrow range clip some sequences but not all.
         frac = full["metrics"]["clip_frac_low_seq"] + full["metrics"]["clip_frac_high_seq"]
         assert 0 < frac < 1
+
+
+def test_gspo_token_update_equals_gspo_update():
+    """Paper Eq.13-17: with A_i,t = A_i, GSPO-token has GSPO's objective, clipping and gradient (through the
+    trainer's per-token path vs GSPO's per-sequence-sums path)."""
+    gspo = run_distributed(policy_grads, {}, "gspo", 4, world_size=1)[0]
+    token = run_distributed(policy_grads, {}, "gspo_token", 4, world_size=1)[0]
+    for key in KEYS:
+        torch.testing.assert_close(token["grads"][key], gspo["grads"][key], atol=1e-7, rtol=1e-5)
+    for key in ("clip_frac_low_seq", "clip_frac_high_seq", "seq_ratio_mean"):
+        assert token["metrics"][key] == pytest.approx(gspo["metrics"][key], abs=1e-6)
