@@ -70,9 +70,9 @@ class Runtime:
             wd_incr_style="constant",
         )
         self.max_prompt_len = self._max_prompt_len()
-        # Sequence parallelism splits the sequence over TP ranks (context parallelism in 2*cp chunks): pad the
-        # fixed training length up to a multiple of that split; the extra columns are padding, never in the loss.
-        split = (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1) * (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1)
+        # Sequence parallelism splits the sequence over TP ranks: pad the fixed training length up to a multiple of
+        # that split; the extra columns are padding, never in the loss. (parallel.cp is always 1: ParallelConfig.)
+        split = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
         self.seq_len = -(-(self.max_prompt_len + cfg.rollout.max_new_tokens) // split) * split
         if self.seq_len > self.model_config.max_position_embeddings:
             raise ValueError(
