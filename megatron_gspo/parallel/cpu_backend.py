@@ -308,17 +308,67 @@ def _cpu_rng_tracker_fork(self, name="model-parallel-rng"):
         torch.set_rng_state(orig)
 
 
-def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """clip_grads.clip_grad_by_total_norm_fp32 without the CUDA tensor-type assertion and multi-tensor kernel."""
+def _cuda_type_name(real_type, *args, **kwargs):
+    """`Tensor.type()` as megatron-core expects it of a device tensor: 'torch.BFloat16Tensor' reads
+    'torch.cuda.BFloat16Tensor'. With arguments it is the real conversion (`t.type(torch.float)`)."""
+    if args or kwargs:
+        return real_type(*args, **kwargs)
+    name = real_type()
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def _cuda_type_names(tensors):
+    """Within the block, `t.type()` of these CPU tensors names the CUDA tensor type of the same dtype.
+
+    megatron-core sorts optimizer parameters by `param.type()` string ('torch.cuda.BFloat16Tensor' gets an fp32
+    main copy, 'torch.cuda.FloatTensor' is used as is, anything else is a TypeError) and asserts fp32 gradients the
+    same way. A method call on the tensor cannot be redirected by the module-scoped `torch` stand-in, so the answer
+    is shadowed on these tensor objects only (an instance attribute; the class, other tensors and torch itself are
+    untouched) and removed on exit. The dtype in the name is the real one, so the sorting is megatron's own.
+    """
+    shadowed = []
+    try:
+        for t in tensors:
+            if t is None or t.is_cuda or "type" in vars(t):
+                continue
+            t.type = functools.partial(_cuda_type_name, t.type)
+            shadowed.append(t)
+        yield
+    finally:
+        for t in shadowed:
+            del t.type
+
+
+def _optimizer_params(optimizer) -> list:
+    return [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]] if optimizer else []
+
+
+def _with_cuda_type_names(fn, tensors_of):
+    """`fn` with `_cuda_type_names(tensors_of(*args, **kwargs))` around each call (megatron's code runs unchanged)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names(tensors_of(*args, **kwargs)):
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped_for_cpu__ = fn
+    return wrapper
+
+
+def _float16_optimizer_tensors(self, optimizer, *args, **kwargs) -> list:
+    """Float16OptimizerWithFloat16Params.__init__(self, optimizer, config, grad_scaler, init_state_fn)."""
+    return _optimizer_params(optimizer)
+
+
+def _clip_tensors(parameters, *args, **kwargs) -> list:
+    """clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False): the fp32 main
+    gradients it asserts to be 'torch.cuda.FloatTensor'."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff >= 1.0:
-        return
-    for param in parameters:
-        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
-        if grad is not None:
-            grad.detach().mul_(clip_coeff)
+    if not isinstance(parameters, (list, tuple)):
+        return []  # a one-pass iterable is megatron's to consume (its callers pass lists)
+    return [p.grad for p in parameters]
 
 
 def _version() -> str:
@@ -368,9 +418,17 @@ def apply(force: bool = False) -> bool:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
-    # Gradient clipping asserts `grad.type() == 'torch.cuda.FloatTensor'` and calls a CUDA multi-tensor kernel.
-    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    # bf16 / fp16 mixed precision (Float16OptimizerWithFloat16Params: fp32 main params and grads): its constructor
+    # sorts parameters by their CUDA tensor-type name and raises TypeError for CPU ones; gradient clipping asserts
+    # `grad.type() == 'torch.cuda.FloatTensor'`. Both run unchanged with those names answered for the tensors they
+    # inspect (their CUDA factories and multi-tensor helpers already land on the CPU through the stand-in `torch`;
+    # without apex / TE megatron uses its own torch implementations of multi_tensor_applier / scale / l2norm).
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__, _float16_optimizer_tensors
+    )
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32, _clip_tensors)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip
 
     _applied = True
     log.info("megatron-core %s patched for CPU + gloo", version)

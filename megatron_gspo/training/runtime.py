@@ -141,10 +141,24 @@ class Runtime:
         dist.all_gather_object(out, obj)
         return out
 
-    def load_model(self, path: str) -> None:
+    def load_weights(self, path) -> dict:
+        """Loads a model checkpoint into the chunks and makes the optimizer's master weights follow it.
+
+        In bf16 / fp16 megatron's `Float16OptimizerWithFloat16Params` clones fp32 main params of the model as it is
+        when the optimizer is built (the random init) and copies them back into the model after every `step()`:
+        without `reload_model_params()` the first step would write random init + update over the loaded weights
+        (Megatron-LM calls it after every model-only load). With fp32 (`FP32Optimizer`) it is a no-op. Every load
+        into a Runtime's model goes through here. Returns the checkpoint's megatron_gspo.json.
+        """
         from megatron_gspo.checkpoint.model_io import load_model_checkpoint
 
-        load_model_checkpoint(self.models, path)
+        info = load_model_checkpoint(self.models, path)
+        self.optimizer.reload_model_params()
+        return info
+
+    def load_model(self, path: str) -> None:
+        """`model.load`: the weights (and master weights) from `path`, then the rollout engine synced to them."""
+        self.load_weights(path)
         self.engine.update_weights(self.models, 0)
 
     def close(self) -> None:
