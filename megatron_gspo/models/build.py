@@ -110,6 +110,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, options: Bu
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
+        # Losses are normalised by the global number of units (training/engine.py). Set here, before the build:
+        # each TopKRouter copies it at construction, and DDP reads it for its gradient scaling.
+        calculate_per_token_loss=True,
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
         moe_grouped_gemm=use_te,
         moe_permute_fusion=False,

@@ -9,6 +9,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_gspo.models.norm import RMSNorm
+from megatron_gspo.models.router import MicroBatchMeanAuxRouter
 
 try:  # transformer-engine is a GPU-only extra
     import transformer_engine  # noqa: F401
@@ -30,6 +31,13 @@ def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:
     return ModuleSpec(module=layer_spec.module, params=layer_spec.params, submodules=new_sub)
 
 
+def _with_router(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Puts our router (load-balancing loss weighted per micro-batch, models/router.py) into the MoE layer."""
+    sub = layer_spec.submodules
+    mlp = dataclasses.replace(sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, router=MicroBatchMeanAuxRouter))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, mlp=mlp))
+
+
 def qwen3_moe_block_spec(num_experts: int, num_local_layers: int, use_te: bool) -> TransformerBlockSubmodules:
     """Decoder block spec with `num_local_layers` identical MoE layers (every Qwen3-MoE layer is MoE)."""
     if use_te:
@@ -44,4 +52,5 @@ def qwen3_moe_block_spec(num_experts: int, num_local_layers: int, use_te: bool) 
             )
         )
         final_norm = RMSNorm
+    layer = _with_router(layer)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=final_norm)

@@ -62,7 +62,8 @@ def bf16_load_step_resume(work: str) -> dict:
     from tests.models.parity import hf_state_dict
 
     work_dir = Path(work)
-    common = [*MINI, "model.dtype=bf16", "optim.warmup_steps=0"]
+    # The shipped configuration: bf16 with the Qwen3-30B recipes' load-balancing loss (aux 0.001).
+    common = [*MINI, "model.dtype=bf16", "model.overrides.router_aux_loss_coef=0.001", "optim.warmup_steps=0"]
     model_cfg = load_run_config(EXAMPLE, common).model.model_config()
     out: dict = {}
 
