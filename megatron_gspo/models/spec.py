@@ -11,14 +11,17 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_gspo.models.norm import RMSNorm
 from megatron_gspo.models.router import MicroBatchMeanAuxRouter
 
+TE_IMPORT_ERROR: str | None = None
+"""Why transformer-engine did not import ('ModuleNotFoundError: ...' when it is not installed); None when it did."""
 try:  # transformer-engine is a GPU-only extra
     import transformer_engine  # noqa: F401
     from megatron.core.extensions.transformer_engine import TENorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     HAVE_TE = True
-except Exception:  # noqa: BLE001 - any import failure means "no TE"
+except Exception as _err:  # noqa: BLE001 - any import failure means "no TE"; build.py reports it on a GPU
     HAVE_TE = False
+    TE_IMPORT_ERROR = f"{type(_err).__name__}: {_err}"
 
 
 def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:

@@ -4,7 +4,9 @@ megatron-core assumes CUDA throughout: it allocates small bookkeeping tensors wi
 model-parallel RNG streams in CUDA generators, overlaps communication on CUDA streams and asserts CUDA tensor
 types in a few optimizer paths. None of that is essential to the math, so on a machine without CUDA we redirect
 it to the CPU. Every patch below says why it exists; all of them are applied by one explicit call, `apply()`,
-only when CUDA is absent, and only for the megatron-core versions they were written and tested against.
+only when CUDA is absent, and only for the megatron-core versions they were written and tested against. One
+megatron bug is not about the CPU but about transformer-engine being absent (a GPU without TE hits it too): its
+fix, `apply_without_te()`, is applied on every machine by `parallel.initialize`, under the same version check.
 
 Mechanism: megatron-core's own modules get a module-scoped stand-in for `torch` (`_CpuTorch`) whose tensor
 factories and `torch.cuda` namespace map CUDA onto the CPU. Code outside megatron-core (ours, torch itself,
@@ -405,7 +407,6 @@ def apply(force: bool = False) -> bool:
 
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
 
     # The model-parallel RNG tracker keeps per-stream states of CUDA generators; use CPU generator states.
     tp_random.CudaRNGStatesTracker.add = _cpu_rng_tracker_add
@@ -413,10 +414,7 @@ def apply(force: bool = False) -> bool:
     tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
-    # 0.16.x bug: the router's gating GEMM references `te_general_gemm` even when transformer-engine's import
-    # failed, raising NameError; None selects its plain torch path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    apply_without_te()  # the CPU never has transformer-engine
 
     # bf16 / fp16 mixed precision (Float16OptimizerWithFloat16Params: fp32 main params and grads): its constructor
     # sorts parameters by their CUDA tensor-type name and raises TypeError for CPU ones; gradient clipping asserts
@@ -432,6 +430,27 @@ def apply(force: bool = False) -> bool:
 
     _applied = True
     log.info("megatron-core %s patched for CPU + gloo", version)
+    return True
+
+
+def apply_without_te() -> bool:
+    """Works around a megatron-core 0.16.x bug that hits every machine without transformer-engine, CUDA or not.
+
+    `moe_utils` imports `te_general_gemm` inside its `try: import transformer_engine` block, so a failed import
+    leaves the name undefined, while `RouterGatingLinearFunction` (every MoE router's gating GEMM, forward and
+    backward) tests `te_general_gemm is not None` and raises NameError. Defining it as None selects megatron's own
+    torch.mm path, which is what it means to do without TE. Called by `parallel.initialize` on every machine;
+    a no-op (False) when TE imported (the name exists) or for megatron-core versions it was not checked against.
+    Not a CPU patch, but a megatron patch all the same, so it lives here.
+    """
+    if _version() not in TESTED_VERSIONS:
+        return False
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    log.info("megatron-core %s without transformer-engine: router gating uses torch.mm", _version())
     return True
 
 

@@ -52,7 +52,9 @@ class Runtime:
         self.chunks = build_ddp_model(
             self.model_config,
             cfg.parallel,
-            BuildOptions(dtype=self.dtype, recompute=cfg.model.recompute, routing_replay=routing_replay),
+            BuildOptions(
+                dtype=self.dtype, recompute=cfg.model.recompute, routing_replay=routing_replay, use_te=cfg.model.use_te
+            ),
         )
         self.models = [unwrap(c) for c in self.chunks]
         self.optimizer = build_optimizer(self.chunks, optim, self.dtype)

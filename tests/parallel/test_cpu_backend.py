@@ -102,3 +102,39 @@ def test_float16_optimizer_keeps_fp32_masters_on_cpu():
     torch.testing.assert_close(out["main"], expected_main, rtol=0, atol=1e-6)
     assert out["w16"].dtype == torch.bfloat16 and torch.equal(out["w16"], expected_main.to(torch.bfloat16))
     torch.testing.assert_close(out["w32"], torch.tensor([3.0 - 0.5]))
+
+
+def _router_gemm_on_a_cuda_machine_without_te():
+    """A CUDA machine without transformer-engine (CUDA faked: only `torch.cuda.is_available` answers True): no CPU
+    patches, but megatron's router gating GEMM still needs its `te_general_gemm` fix."""
+    torch.cuda.is_available = lambda: True
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_gspo.parallel import cpu_backend as cb
+
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    out = {"have_te": moe_utils.HAVE_TE, "cpu_patches": cb.apply()}
+    try:
+        moe_utils.router_gating_linear(x, w, None, torch.float32)
+        out["unpatched"] = "ran"
+    except NameError as err:
+        out["unpatched"] = f"NameError: {err}"
+    out["fixed"] = cb.apply_without_te()
+    out["again"] = cb.apply_without_te()  # idempotent
+    y = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    y.sum().backward()
+    out.update(x=x.detach(), w=w.detach(), y=y.detach(), dx=x.grad, dw=w.grad)
+    return out
+
+
+def test_router_gating_without_te_on_a_cuda_machine():
+    out = run_distributed(_router_gemm_on_a_cuda_machine_without_te, world_size=1)[0]
+    assert out["have_te"] is False and out["cpu_patches"] is False
+    assert out["unpatched"] == "NameError: name 'te_general_gemm' is not defined"  # the megatron 0.16 bug
+    assert out["fixed"] is True and out["again"] is False
+    x, w = out["x"], out["w"]
+    torch.testing.assert_close(out["y"], (x @ w.T).float())  # megatron's torch.mm path, in the router dtype
+    # d/dx sum(x W^T) = W summed over experts for every token; d/dW = x summed over tokens for every expert.
+    torch.testing.assert_close(out["dx"], w.sum(0).expand(5, 3))
+    torch.testing.assert_close(out["dw"], x.sum(0).expand(4, 3))
