@@ -28,16 +28,21 @@ def _masters(models) -> dict[str, torch.Tensor]:
             saved.append((p, p.data))
             p.data = p.main_param.data
     try:
-        return export_hf_state_dict(models)
+        return _cpu(export_hf_state_dict(models))
     finally:
         for p, d in saved:
             p.data = d
+
+
+def _cpu(tensors: dict) -> dict:
+    return {k: v.detach().cpu() for k, v in tensors.items()}
 
 
 def _precision(models) -> dict[str, set[str]]:
     """dtypes of the params, of their main params and of their main grads."""
     params = [p for m in models for p in m.parameters()]
     return {
+        "device": {p.device.type for p in params},
         "params": {str(p.dtype) for p in params},
         "main_params": {str(getattr(p, "main_param", p).dtype) for p in params},
         "main_grads": {str(p.main_grad.dtype) for p in params},
@@ -51,7 +56,8 @@ def _adam_state_is_set(optimizer) -> bool:
 
 def bf16_load_step_resume(work: str) -> dict:
     """fp32 checkpoint -> (a) bf16 SFT runtime: model.load + 1 step, (b) bf16 GSPO trainer: model.load + 1 RL step
-    + final checkpoint, (c) a trainer resumed from that checkpoint. Everything in one process, one after another."""
+    + final checkpoint, (c) a trainer resumed from that checkpoint. Everything in one process, one after another,
+    on the machine's device (CUDA on a GPU node: tools/gpu_smoke.sh runs the `gpu`-marked test)."""
     from megatron_gspo.checkpoint.model_io import save_model_checkpoint
     from megatron_gspo.models.build import build_model
     from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict
@@ -72,7 +78,7 @@ def bf16_load_step_resume(work: str) -> dict:
     try:
         chunks = build_model(model_cfg, ParallelConfig())
         load_hf_state_dict(chunks, hf_state_dict(model_cfg, seed=5))
-        out["checkpoint"] = export_hf_state_dict(chunks)
+        out["checkpoint"] = _cpu(export_hf_state_dict(chunks))
         save_model_checkpoint(chunks, work_dir / "ckpt", model_cfg)
     finally:
         shutdown()
@@ -89,7 +95,7 @@ def bf16_load_step_resume(work: str) -> dict:
             torch.equal(p.main_param, p.detach().float()) for m in rt.models for p in m.parameters()
         )
         result = sft_loop(rt)
-        out["sft"] = dict(steps=result["sft_steps"], weights=export_hf_state_dict(rt.models),
+        out["sft"] = dict(steps=result["sft_steps"], weights=_cpu(export_hf_state_dict(rt.models)),
                           masters=_masters(rt.models), precision=_precision(rt.models),
                           adam=_adam_state_is_set(rt.optimizer))
     finally:
@@ -103,7 +109,7 @@ def bf16_load_step_resume(work: str) -> dict:
     try:
         summary = trainer.train()
         models = trainer.rt.models
-        out["rl"] = dict(steps=summary["steps"], history=trainer.history, weights=export_hf_state_dict(models),
+        out["rl"] = dict(steps=summary["steps"], history=trainer.history, weights=_cpu(export_hf_state_dict(models)),
                          masters=_masters(models), precision=_precision(models), adam=_adam_state_is_set(trainer.rt.optimizer))
     finally:
         trainer.close()
@@ -111,7 +117,7 @@ def bf16_load_step_resume(work: str) -> dict:
     # (c) Resume from the final checkpoint (no step left to run): weights and fp32 masters as they were saved.
     trainer = GSPOTrainer(load_run_config(EXAMPLE, rl), resume=True)
     try:
-        out["resumed"] = dict(step=trainer.step, weights=export_hf_state_dict(trainer.rt.models),
+        out["resumed"] = dict(step=trainer.step, weights=_cpu(export_hf_state_dict(trainer.rt.models)),
                               masters=_masters(trainer.rt.models))
     finally:
         trainer.close()

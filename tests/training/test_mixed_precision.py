@@ -23,9 +23,8 @@ def runs(tmp_path_factory):
 
 
 def _assert_preserved(result: dict, checkpoint: dict) -> None:
-    assert result["precision"] == {
-        "params": {"torch.bfloat16"}, "main_params": {"torch.float32"}, "main_grads": {"torch.float32"}
-    }
+    precision = {k: v for k, v in result["precision"].items() if k != "device"}
+    assert precision == {"params": {"torch.bfloat16"}, "main_params": {"torch.float32"}, "main_grads": {"torch.float32"}}
     assert result["adam"], "the optimizer step did not run (no Adam state)"
     assert set(result["weights"]) == set(checkpoint)
     moved = 0.0
@@ -38,13 +37,13 @@ def _assert_preserved(result: dict, checkpoint: dict) -> None:
     assert moved > 0.5 * TINY_LR, "the masters did not take the step"
 
 
-def test_sft_step_after_model_load_keeps_the_loaded_weights(runs):
+def _check_sft(runs):
     assert runs["sft"]["steps"] == 1
     assert runs["sft_masters_equal_model_before"], "the fp32 masters do not hold the loaded weights"
     _assert_preserved(runs["sft"], runs["checkpoint"])
 
 
-def test_rl_step_after_model_load_keeps_the_loaded_weights(runs):
+def _check_rl(runs):
     assert runs["rl"]["steps"] == 1
     row = runs["rl"]["history"][0]
     assert row["skipped_steps"] == 0
@@ -52,8 +51,29 @@ def test_rl_step_after_model_load_keeps_the_loaded_weights(runs):
     _assert_preserved(runs["rl"], runs["checkpoint"])
 
 
-def test_bf16_resume_restores_weights_and_exact_masters(runs):
+def _check_resume(runs):
     assert runs["resumed"]["step"] == 1
     for name, value in runs["rl"]["masters"].items():
         assert torch.equal(runs["resumed"]["masters"][name], value), name
         assert torch.equal(runs["resumed"]["weights"][name], runs["rl"]["weights"][name]), name
+
+
+def test_sft_step_after_model_load_keeps_the_loaded_weights(runs):
+    _check_sft(runs)
+
+
+def test_rl_step_after_model_load_keeps_the_loaded_weights(runs):
+    _check_rl(runs)
+
+
+def test_bf16_resume_restores_weights_and_exact_masters(runs):
+    _check_resume(runs)
+
+
+@pytest.mark.gpu
+def test_bf16_load_step_and_resume_on_cuda(runs):
+    """The same on a GPU node (tools/gpu_smoke.sh part bf16-load): the run's tensors are on CUDA."""
+    assert runs["sft"]["precision"]["device"] == {"cuda"} and runs["rl"]["precision"]["device"] == {"cuda"}
+    _check_sft(runs)
+    _check_rl(runs)
+    _check_resume(runs)
