@@ -15,8 +15,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-from megatron_gspo.models.config import ModelConfig
 from megatron_gspo.models import spec
+from megatron_gspo.models.config import ModelConfig
 from megatron_gspo.models.spec import qwen3_moe_block_spec
 from megatron_gspo.parallel.config import ParallelConfig
 

@@ -24,8 +24,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_gspo.models.build import BuildOptions, build_model
-from megatron_gspo.models.router import set_aux_loss_weight
 from megatron_gspo.models.config import ModelConfig
+from megatron_gspo.models.router import set_aux_loss_weight
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.training.optim_config import OptimConfig
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from megatron_gspo.models import spec
-from megatron_gspo.models.build import BuildOptions, resolve_use_te, selective_recompute_modules, transformer_config
+from megatron_gspo.models.build import (
+    BuildOptions,
+    resolve_use_te,
+    selective_recompute_modules,
+    transformer_config,
+)
 from megatron_gspo.models.config import preset
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.training.config import load_run_config

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.models.parity import hf_state_dict, tiny_config
-from tests.training.policy_ranks import N, SEQ, synthetic_batch
+from tests.training.policy_ranks import SEQ, N, synthetic_batch
 
 COEF = 0.1
 LAST_ROUTER = "decoder.layers.3.mlp.router.weight"
@@ -26,8 +26,8 @@ def _algorithm(name: str):
 def aux_gradients(cases: list[tuple[str, int]], identical_rows: bool = False) -> dict:
     """For each (algorithm, micro_batch_size): the aux-loss gradient of every router weight (grad at 2c minus grad at
     c) and the last router's input of every micro-batch (captured at c)."""
-    from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.models.hf_state import load_hf_state_dict
+    from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.training.batch import policy_forward_step, policy_units
     from megatron_gspo.training.engine import build_ddp_model, forward_backward, unwrap
 
@@ -47,7 +47,9 @@ def aux_gradients(cases: list[tuple[str, int]], identical_rows: bool = False) ->
             load_hf_state_dict([model], hf_state_dict(cfg))
             captured: list = []
             hook = model.decoder.layers[3].mlp.router.register_forward_hook(
-                lambda mod, args, out: captured.append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
+                lambda mod, args, out, captured=captured: captured.append(
+                    args[0].detach().reshape(-1, args[0].shape[-1]).clone()
+                )
             )
             for algorithm, mbs in cases:
                 loss_fn = _algorithm(algorithm)

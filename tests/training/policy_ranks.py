@@ -72,7 +72,7 @@ def policy_grads(layout: dict, cases: list[tuple[str, int, float]]) -> dict:
                 loss_fn = _loss(algorithm)
 
                 # Old log-probs = exact current log-probs (+ shift): a forward-only pass of the same model.
-                def lp_step(mb, model):
+                def lp_step(mb, model, cfg=cfg):
                     out = model(mb.tokens_NL[:, :-1], torch.arange(SEQ).unsqueeze(0).expand(mb.num_sequences, -1), None)
                     return out, lambda logits: (logits.sum() * 0, {"lp": token_logprobs_from_logits(
                         logits, mb.tokens_NL[:, 1:], mb.loss_mask_NS, cfg.vocab_size, 1.0).token_logprobs.detach()})
