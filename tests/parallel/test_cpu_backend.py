@@ -12,6 +12,7 @@ def test_refuses_untested_megatron_version(monkeypatch):
     monkeypatch.setattr(cpu_backend, "_applied", False)
     with pytest.raises(RuntimeError, match=r"supports megatron-core .*found 0\.12\.0"):
         cpu_backend.apply(force=True)
+    assert cpu_backend.apply_without_te() is False  # the no-TE router fix is not applied blind either
 
 
 def test_noop_when_cuda_is_present(monkeypatch):
