@@ -23,7 +23,13 @@ from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rewards.registry import RewardScorer
-from megatron_gspo.training.batch import RolloutBatch, pack_rollouts, policy_forward_step, token_logprobs_from_logits
+from megatron_gspo.training.batch import (
+    RolloutBatch,
+    model_forward,
+    pack_rollouts,
+    policy_forward_step,
+    token_logprobs_from_logits,
+)
 from megatron_gspo.training.checkpoint import CheckpointManager
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
@@ -141,7 +147,8 @@ class GSPOTrainer:
         rollouts = [ro for x in groups for ro in x[1]]
         rewards = torch.cat([x[2] for x in groups])
         adv = self.advantages(rewards)
-        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv)
+        # The one host -> device move of the rollout batch: every forward, loss and collective below uses it.
+        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv).to(self.rt.device)
         lens = batch.response_lens_N.float()
         stats = {
             "reward_mean": rewards.mean().item(),
@@ -183,12 +190,11 @@ class GSPOTrainer:
         mbs = min(self.cfg.trainer.micro_batch_size, batch.num_sequences)
         micro = batch.split(batch.num_sequences // mbs)
         vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
-        positions = torch.arange(self.rt.seq_len).unsqueeze(0)
 
         def fwd(mb: RolloutBatch, model):
-            ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+            labels = mb.tokens_NL[:, 1:]
             self.routing.before_forward(mb)
-            out = model(ids, positions.expand(ids.shape[0], -1), None)
+            out = model_forward(model, mb.tokens_NL, mb.input_lens_N)
 
             def reduce(logits):
                 lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab, temp)
@@ -205,7 +211,8 @@ class GSPOTrainer:
         finally:
             for m in self.rt.chunks:
                 m.train()
-        result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32)
+        # Non-last stages receive the result into a buffer on the device (the broadcast is an NCCL collective).
+        result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32, device=self.rt.device)
         if is_last_stage():
             result = torch.cat([o["token_logprobs"] for o in outs], dim=0)
         return broadcast_from_last_stage(result.contiguous())
@@ -222,7 +229,7 @@ class GSPOTrainer:
             mbs = min(t.micro_batch_size, minibatch.num_sequences)
             micro = minibatch.split(minibatch.num_sequences // mbs)
 
-            fwd = policy_forward_step(loss_fn, vocab, temp, self.rt.seq_len, self.routing.before_forward)
+            fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward)
             with self.routing.training_pass():
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
             loss_metrics = combine_metrics(parts) if parts else {}
@@ -254,13 +261,14 @@ class GSPOTrainer:
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""
-        bad = torch.zeros(1)
+        # One flag on the device for all gradients (an all-reduce over NCCL, and one host sync instead of one per
+        # parameter).
+        bad = torch.zeros((), device=self.rt.device)
         for model in self.rt.models:
             for p in model.parameters():
                 grad = getattr(p, "main_grad", None)
-                if grad is not None and not torch.isfinite(grad).all():
-                    bad.fill_(1.0)
-                    break
+                if grad is not None:
+                    bad = torch.maximum(bad, (~torch.isfinite(grad)).any().to(bad.dtype))
         if dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():

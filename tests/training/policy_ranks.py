@@ -61,7 +61,7 @@ def policy_grads(layout: dict, algorithm: str, micro_batch_size: int) -> dict:
         if outs:
             local.old_logprobs_NS = torch.cat([o["lp"] for o in outs]) + local.old_logprobs_NS
         parts = forward_backward(chunks, local.split(local.num_sequences // micro_batch_size),
-                                 policy_forward_step(loss_fn, cfg.vocab_size, 1.0, SEQ),
+                                 policy_forward_step(loss_fn, cfg.vocab_size, 1.0),
                                  seq_length=SEQ, micro_batch_size=micro_batch_size)
         metrics = {k: float(v) for k, v in combine_metrics(parts).items()} if parts else None
         saved = []
