@@ -55,3 +55,12 @@ def test_off_and_on_stay_strings(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_run_config(tmp_path / "nope.yaml")
+
+
+def test_token_level_correction_is_refused_for_the_sequence_level_gspo_loss():
+    """GSPO's loss reads only per-sequence log-prob sums: token weights would be ignored without a word."""
+    with pytest.raises(ValueError, match=r"rollout\.correction\.level=token has no effect with loss\.algorithm=gspo"):
+        load_run_config(EXAMPLE, ["rollout.correction.level=token"])
+    for algorithm in ("gspo_token", "grpo"):  # token-level losses take the weights
+        assert load_run_config(EXAMPLE, [f"loss.algorithm={algorithm}", "rollout.correction.level=token"])
+    assert load_run_config(EXAMPLE, ["rollout.correction.level=sequence"]).rollout.correction.level == "sequence"
