@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megatron_gspo.rollout.types import Rollout
@@ -101,6 +102,31 @@ class RolloutBatch:
             raise ValueError(f"{n} sequences do not split into {parts} equal parts")
         size = n // parts
         return [self.rows(slice(i * size, (i + 1) * size)) for i in range(parts)]
+
+
+def minibatch_group_order(num_informative: int, num_groups: int, minibatches: int, seed) -> list[int]:
+    """The order of a rollout batch's groups, of which the first `num_informative` have reward variance (the rest
+    zero advantage), such that the `minibatches` contiguous minibatches hold whole groups in a random order and
+    the informative groups are dealt evenly over them (each minibatch gets floor or ceil of num_informative / K).
+
+    Deterministic in `seed` (any value numpy's SeedSequence takes): every rank of a model-parallel group, which
+    holds the same groups, gets the same order. When the groups do not divide into the minibatches (a group then
+    spans two of them) the order is just a seeded permutation.
+    """
+    if not 0 <= num_informative <= num_groups:
+        raise ValueError(f"num_informative={num_informative} must be in [0, num_groups={num_groups}]")
+    perm = [int(i) for i in np.random.default_rng(seed).permutation(num_groups)]
+    if num_groups % minibatches:
+        return perm
+    per = num_groups // minibatches
+    slots: list[list[int]] = [[] for _ in range(minibatches)]
+    informative = [i for i in perm if i < num_informative]
+    for j, i in enumerate(informative):
+        slots[j % minibatches].append(i)
+    flat = iter(i for i in perm if i >= num_informative)
+    for slot in slots:
+        slot.extend(next(flat) for _ in range(per - len(slot)))
+    return [i for slot in slots for i in slot]
 
 
 def pack_rollouts(

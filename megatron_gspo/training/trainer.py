@@ -25,6 +25,7 @@ from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import (
     RolloutBatch,
+    minibatch_group_order,
     model_forward,
     pack_rollouts,
     policy_forward_step,
@@ -119,31 +120,41 @@ class GSPOTrainer:
         return group_advantages(rewards, self.cfg.rollout.group_size)
 
     def collect(self, step_seed: int) -> tuple[RolloutBatch, dict]:
-        """generate -> score -> advantages, with dynamic sampling (drop zero-variance groups, top up)."""
+        """generate -> score -> advantages, with dynamic sampling (drop zero-variance groups, top up).
+
+        Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
+        and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
+        sampler, so no prompt is used twice or skipped and every rank's sampler stays the checkpointed one.
+        """
         r, g = self.cfg.rollout, self.cfg.rollout.group_size
-        items = self.rt.shard(next(self.sampler))
-        want = len(items)
-        rollouts = self.generate(items, step_seed)
-        rewards = self.score(items, rollouts)
-        groups = [(items[i], rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g]) for i in range(want)]
-        dropped = 0
-        if r.dynamic_sampling:
-            informative = [x for x in groups if x[2].max() > x[2].min()]
-            flat = [x for x in groups if not x[2].max() > x[2].min()]
-            dropped = len(flat)
-            rounds = 0
-            while len(informative) < want and rounds < r.max_topup_rounds:
-                rounds += 1
-                extra = self.sampler.next_items(want - len(informative))
-                ro = self.generate(extra, step_seed + 7919 * rounds)
-                rw = self.score(extra, ro)
-                for i, it in enumerate(extra):
-                    grp = (it, ro[i * g : (i + 1) * g], rw[i * g : (i + 1) * g])
+        extra = self.rt.shard(next(self.sampler))
+        want = len(extra)
+        informative, flat = [], []
+        errors, rounds = 0.0, 0
+        while True:
+            if extra:
+                rollouts = self.generate(extra, step_seed + 7919 * rounds)
+                rewards = self.score(extra, rollouts)
+                errors += float(self.scorer.last_metrics.get("reward_errors", 0.0))
+                for i, item in enumerate(extra):
+                    grp = (item, rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g])
                     (informative if grp[2].max() > grp[2].min() else flat).append(grp)
-            # Every data-parallel rank keeps exactly `want` groups so micro-batch counts match across ranks;
-            # flat groups that fill the gap have zero advantage and contribute no gradient.
-            groups = (informative + flat)[:want]
-        items = [x[0] for x in groups]
+            if not r.dynamic_sampling or rounds == r.max_topup_rounds:
+                break
+            needs = self._topup_needs(want - len(informative))
+            if not any(needs):
+                break
+            rounds += 1
+            extra = self._topup_items(needs)
+        # Every data-parallel rank keeps exactly `want` groups so micro-batch counts match across ranks; flat groups
+        # that fill the gap (all of them without dynamic sampling) have zero advantage and contribute no gradient.
+        fill = want - len(informative)
+        groups = informative + flat[:fill]
+        # Minibatches of whole groups in a seeded order (the same on every rank), the informative groups dealt
+        # evenly: no minibatch is left with only zero-advantage groups while informative ones remain.
+        order = minibatch_group_order(len(informative), want, self.cfg.trainer.minibatches,
+                                      seed=(self.cfg.trainer.seed, self.step))
+        groups = [groups[i] for i in order]
         rollouts = [ro for x in groups for ro in x[1]]
         rewards = torch.cat([x[2] for x in groups])
         adv = self.advantages(rewards)
@@ -155,10 +166,31 @@ class GSPOTrainer:
             "accuracy": (rewards > 0.5).float().mean().item(),
             "response_length": lens.mean().item(),
             "finish_stop_frac": sum(ro.finish_reason == "stop" for ro in rollouts) / len(rollouts),
-            "groups_dropped": float(dropped),
-            "reward_errors": float(self.scorer.last_metrics.get("reward_errors", 0.0)),
+            # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics):
+            # zero-variance groups left out, zero-variance groups trained on (zero advantage), reward errors.
+            "groups_dropped": float(len(flat) - fill),
+            "groups_zero_variance_kept": float(fill),
+            "reward_errors": errors,
+            "topup_rounds": float(rounds),
         }
         return batch, stats
+
+    def _topup_needs(self, need: int) -> list[int]:
+        """How many groups each data-parallel rank lacks, in rank order, identical on every rank."""
+        if self.rt.dp.size == 1:
+            return [need]
+        from megatron.core import parallel_state as ps
+
+        mine = torch.tensor([need], dtype=torch.long, device=self.rt.device)
+        every = torch.empty(self.rt.dp.size, dtype=torch.long, device=self.rt.device)
+        dist.all_gather_into_tensor(every, mine, group=ps.get_data_parallel_group())
+        return every.tolist()
+
+    def _topup_items(self, needs: list[int]) -> list[PromptItem]:
+        """This rank's slice of the next sum(needs) prompts of the global sampler (every rank draws them all)."""
+        drawn = self.sampler.next_items(sum(needs))
+        start = sum(needs[: self.rt.dp.rank])
+        return drawn[start : start + needs[self.rt.dp.rank]]
 
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4)."""
@@ -182,7 +214,8 @@ class GSPOTrainer:
             batch.advantages_N = batch.advantages_N * weights
         elif self.cfg.rollout.correction.level == "token":
             batch.extra["token_weights_NS"] = weights
-        return {(k if k.startswith("mismatch") else f"mismatch_{k}"): float(v) for k, v in metrics.items()}
+        # This replica's share; reduce_step_metrics combines the replicas' shares (and names them mismatch_*).
+        return {k: float(v) for k, v in metrics.items()}
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

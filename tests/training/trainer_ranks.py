@@ -65,3 +65,112 @@ def device_witness_steps(run_dir: str, overrides: list[str]) -> dict:
         "collective_calls": witness.collective_calls,
         "device": str(trainer.rt.device),
     }
+
+
+def _flat_by_prompt(items, group_size: int) -> torch.Tensor:
+    """Scripted rewards: a prompt's group is flat (all 0) when crc32(prompt) is even, else [1, 0, 0, ...]."""
+    import zlib
+
+    rewards = torch.zeros(len(items), group_size)
+    for i, item in enumerate(items):
+        if zlib.crc32(item.prompt.encode()) % 2:
+            rewards[i, 0] = 1.0
+    return rewards.reshape(-1)
+
+
+def collect_steps(run_dir: str, overrides: list[str], steps: int, scripted: str = "by_prompt") -> dict:
+    """Runs the trainer's `collect` for `steps` steps (no update) with scripted rewards and returns, per step, the
+    prompts generated (all rounds), the minibatches' advantages and the rollout statistics, and the sampler."""
+    from megatron_gspo.training.config import load_run_config
+    from megatron_gspo.training.trainer import GSPOTrainer
+
+    cfg = load_run_config("examples/tiny_moe_gspo.yaml", [*MINI, f"trainer.run_dir={run_dir}", *overrides])
+    trainer = GSPOTrainer(cfg)
+    g = cfg.rollout.group_size
+    generated: list[str] = []
+    generate = trainer.generate
+
+    def recording_generate(items, seed):
+        generated.extend(it.prompt for it in items)
+        return generate(items, seed)
+
+    def scripted_score(items, rollouts):
+        if scripted == "by_prompt":
+            return _flat_by_prompt(items, g)
+        # "by_position": the even positions of each call informative, the odd ones flat
+        rewards = torch.zeros(len(items), g)
+        rewards[::2, 0] = 1.0
+        return rewards.reshape(-1)
+
+    trainer.generate = recording_generate
+    trainer.score = scripted_score
+    out = []
+    try:
+        for _ in range(steps):
+            generated.clear()
+            batch, stats = trainer.collect(step_seed=cfg.trainer.seed * 1_000_003 + trainer.step)
+            out.append({
+                "generated": list(generated),
+                "minibatch_advantages": [mb.advantages_N.cpu() for mb in batch.split(cfg.trainer.minibatches)],
+                "stats": stats,
+            })
+            trainer.step += 1
+        return {"steps": out, "sampler": trainer.sampler.state_dict()}
+    finally:
+        trainer.close()
+
+
+def data_parallel_step_metrics(run_dir: str) -> dict:
+    """One RL step on 2 data-parallel ranks with dynamic sampling and a reward that errs; records each rank's own
+    share of every reduced metric (mismatch, drift, routing mismatch, reward errors, groups) and forces one of
+    the 4 minibatch steps to be skipped."""
+    from unittest import mock
+
+    import megatron_gspo.training.routing as routing_module
+    import megatron_gspo.training.trainer as trainer_module
+    from megatron_gspo.training.config import load_run_config
+    from megatron_gspo.training.trainer import GSPOTrainer
+
+    cfg = load_run_config("examples/tiny_moe_gspo.yaml", [
+        *MINI, f"trainer.run_dir={run_dir}", "trainer.steps=1", "trainer.save_final=false",
+        "rollout.dynamic_sampling=true", "rollout.max_topup_rounds=3", "eval.max_prompts=4", "eval.n=1",
+        "data.reward=tests.training.rewards:fails_on_odd_answers",
+    ])
+    local: dict = {"mismatch": [], "drift": [], "scores": [], "norms": []}
+    correction, route_change = trainer_module.rollout_correction, routing_module.store_route_change
+
+    def local_correction(*args, **kwargs):
+        weights, metrics = correction(*args, **kwargs)
+        local["mismatch"].append({k: float(v) for k, v in metrics.items()})
+        return weights, metrics
+
+    def local_route_change(*args, **kwargs):
+        local["drift"].append(route_change(*args, **{**kwargs, "reduce_group": None}))
+        return route_change(*args, **kwargs)
+
+    with mock.patch.object(trainer_module, "rollout_correction", local_correction), \
+            mock.patch.object(routing_module, "store_route_change", local_route_change):
+        trainer = GSPOTrainer(cfg)
+        score, step = trainer.score, trainer._optimizer_step
+        calls = []
+
+        def recording_score(items, rollouts):
+            rewards = score(items, rollouts)
+            local["scores"].append({"rewards": rewards.view(len(items), -1).clone(),
+                                    "errors": trainer.scorer.last_metrics["reward_errors"]})
+            return rewards
+
+        def one_skipped_step():
+            calls.append(1)
+            if len(calls) == 2:
+                return False, float("nan")  # what a non-finite gradient gives (nothing is stepped)
+            ok, norm = step()
+            local["norms"].append(norm)
+            return ok, norm
+
+        trainer.score, trainer._optimizer_step = recording_score, one_skipped_step
+        try:
+            trainer.train()
+            return {"metrics": trainer.history[-1], "local": local, "want": cfg.trainer.prompts_per_step // 2}
+        finally:
+            trainer.close()
