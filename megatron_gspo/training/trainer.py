@@ -153,7 +153,7 @@ class GSPOTrainer:
         # Minibatches of whole groups in a seeded order (the same on every rank), the informative groups dealt
         # evenly: no minibatch is left with only zero-advantage groups while informative ones remain.
         order = minibatch_group_order(len(informative), want, self.cfg.trainer.minibatches,
-                                      seed=(self.cfg.trainer.seed, self.step))
+                                      seed=(self.cfg.trainer.seed & (2**63 - 1), self.step))
         groups = [groups[i] for i in order]
         rollouts = [ro for x in groups for ro in x[1]]
         rewards = torch.cat([x[2] for x in groups])
