@@ -20,8 +20,10 @@ runs for real on the CPU (real values, gloo collectives, megatron's schedules, t
 
 The witness records violations instead of raising, so one run lists them all, each with where the host tensor
 was made and where it met the device. What it cannot see: devices of generators (created on the CPU here), code
-paths only a GPU takes (Triton kernels: the torch backend stands in), and collectives our code imports by name
-instead of calling through the `torch.distributed` module.
+paths only a GPU takes (Triton kernels: the torch backend stands in), point-to-point sends (megatron's pipeline
+buffers, which it allocates itself), collectives imported by name instead of called through the
+`torch.distributed` module, and the device of parameters: every `nn.Parameter` counts as on the device (the GPU
+build moves the whole model with `.cuda()`, which the CPU build skips), including those our spec modules make.
 """
 
 from __future__ import annotations
@@ -175,9 +177,6 @@ class DeviceWitness(TorchFunctionMode):
             while hasattr(model, "module"):
                 model = model.module
             model.register_forward_pre_hook(self._model_hook, with_kwargs=True)
-
-    def is_host(self, t: torch.Tensor) -> bool:
-        return t in self.host
 
     # ---- checks ---------------------------------------------------------------------------------------------
     def _violation(self, what: str, host: list[torch.Tensor]) -> None:
