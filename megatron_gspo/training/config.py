@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from megatron_gspo.algorithms import make_policy_loss
 from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
 from megatron_gspo.data.config import DataConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
@@ -194,6 +195,14 @@ class RunConfig:
     """MoE options (routing replay, drift measurement); validated by megatron_gspo.moe when used."""
     sglang: dict = field(default_factory=dict)
     """SGLang engine options (rollout.engine=sglang); validated by megatron_gspo.rollout when used."""
+
+    def __post_init__(self) -> None:
+        if self.rollout.correction.level == "token" and make_policy_loss(self.loss).sequence_level:
+            # GSPO's loss only sees per-sequence log-prob sums: per-token weights would be silently ignored.
+            raise ValueError(
+                f"rollout.correction.level=token has no effect with loss.algorithm={self.loss.algorithm} (a "
+                "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"
+            )
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-serialisable)."""

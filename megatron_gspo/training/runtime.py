@@ -57,6 +57,8 @@ class Runtime:
             ),
         )
         self.models = [unwrap(c) for c in self.chunks]
+        self.device: torch.device = next(self.models[0].parameters()).device
+        """The model's device: every tensor that meets the model or a collective is made on it or moved to it."""
         self.optimizer = build_optimizer(self.chunks, optim, self.dtype)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
