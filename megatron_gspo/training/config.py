@@ -62,7 +62,7 @@ class RolloutConfig:
     """Generation of the rollout batch."""
 
     engine: str = "local"
-    """local (in-process, the training model) | sglang (servers; see rollout/sglang_config.py)."""
+    """local (in-process, the training model) | sglang (servers; see rollout/sglang/config.py)."""
     group_size: int = 8
     """G: responses per prompt (Eq.5-6)."""
     max_new_tokens: int = 8

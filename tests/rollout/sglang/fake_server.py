@@ -2,7 +2,7 @@
 
 In-process: `FakeSGLang(...).start()` serves an aiohttp app from a background thread (own event loop) on
 127.0.0.1:<free port>. As a subprocess (launch-mode tests):
-`python -m tests.rollout.fake_sglang --host H --port P [SGLang's flags, ignored] [--fake-* knobs]`.
+`python -m tests.rollout.sglang.fake_server --host H --port P [SGLang's flags, ignored] [--fake-* knobs]`.
 
 Generation is deterministic: tokens come from an LCG seeded by the prompt and `sampling_seed`, so tests can
 recompute what a request must return (`fake_tokens`, `fake_logprob`, `fake_routed_experts`).

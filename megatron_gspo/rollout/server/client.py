@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.rollout.sglang.protocol import (
     RETRYABLE_STATUSES,
     SGLangConnectionError,
     SGLangError,

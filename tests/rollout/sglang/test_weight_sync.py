@@ -9,7 +9,7 @@ import torch
 
 from megatron_gspo.rollout.sglang import SGLangError
 from megatron_gspo.rollout.types import SamplingParams
-from megatron_gspo.rollout.weight_sync import (
+from megatron_gspo.rollout.server.weight_sync import (
     INDEX_FILE,
     iter_buckets,
     tensor_nbytes,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.rollout.sglang.protocol import (
     RoutingSpec,
     SGLangResponseError,
     build_generate_payload,

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from megatron_gspo.rollout.sglang_config import SGLangConfig
+from megatron_gspo.rollout.sglang.config import SGLangConfig
 
 logger = logging.getLogger(__name__)
 

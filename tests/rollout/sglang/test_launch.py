@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.rollout.sglang import SGLangConfig, SGLangEngine
-from megatron_gspo.rollout.sglang_server import ProcessSupervisor, router_command, server_command
+from megatron_gspo.rollout.server.process import ProcessSupervisor, router_command, server_command
 from megatron_gspo.rollout.types import SamplingParams
 from tests.distributed import free_port
 
@@ -86,7 +86,7 @@ def test_config_errors_name_the_key(fields, message):
 def launch_config(tmp_path, port: int, *extra: str) -> SGLangConfig:
     return SGLangConfig(
         python=sys.executable,
-        server_module="tests.rollout.fake_sglang",
+        server_module="tests.rollout.sglang.fake_server",
         model_path="fake-model",
         port_base=port,
         server_env={"PYTHONPATH": REPO},
@@ -157,7 +157,7 @@ def test_supervisor_stops_processes_on_sigterm_then_runs_the_previous_handler():
 
 def test_launch_with_router_sends_generation_through_it(tmp_path):
     cfg = launch_config(tmp_path, free_port())
-    cfg.router, cfg.router_port, cfg.router_module = True, free_port(), "tests.rollout.fake_sglang"
+    cfg.router, cfg.router_port, cfg.router_module = True, free_port(), "tests.rollout.sglang.fake_server"
     engine = SGLangEngine(cfg)
     try:
         procs = [p.popen for p in engine._supervisor.processes]

@@ -32,9 +32,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from megatron_gspo.rollout.sglang_client import SGLangClient, backoff_delay
-from megatron_gspo.rollout.sglang_config import SGLangConfig
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.rollout.server.client import SGLangClient, backoff_delay
+from megatron_gspo.rollout.sglang.config import SGLangConfig
+from megatron_gspo.rollout.sglang.protocol import (
     RETRYABLE_STATUSES,
     RoutingSpec,
     SGLangConnectionError,
@@ -47,7 +47,7 @@ from megatron_gspo.rollout.sglang_protocol import (
     derive_sampling_seed,
     parse_json_body,
 )
-from megatron_gspo.rollout.sglang_server import (
+from megatron_gspo.rollout.server.process import (
     ManagedProcess,
     ProcessSupervisor,
     port_in_use,
@@ -58,7 +58,7 @@ from megatron_gspo.rollout.sglang_server import (
     server_url,
 )
 from megatron_gspo.rollout.types import Rollout, SamplingParams
-from megatron_gspo.rollout.weight_sync import (
+from megatron_gspo.rollout.server.weight_sync import (
     GroupFactory,
     NamedTensor,
     UpdateGroup,
