@@ -9,11 +9,4 @@ from megatron_gspo.rollout.sglang.engine import (
     make_sglang_engine,
 )
 
-__all__ = [
-    "SGLangConfig",
-    "SGLangEngine",
-    "SGLangError",
-    "SGLangGenerateError",
-    "StaleWeightsError",
-    "make_sglang_engine",
-]
+__all__ = ["SGLangConfig", "SGLangEngine", "SGLangError", "SGLangGenerateError", "StaleWeightsError", "make_sglang_engine"]

@@ -79,5 +79,5 @@ def test_two_ranks_rank0_leads_every_rank_generates(fake_servers, tmp_path):
     assert server.paths().count("/update_weights_from_disk") == 1  # only the leader pushed
     assert torch.equal(server.weights["w"], torch.full((2,), 3.0))
     assert f"SGLang server {dead.url} not healthy" in results[0]["error"]
-    relayed = f"rank 0 could not start the SGLang engine: SGLangError: SGLang server {dead.url}"
+    relayed = f"rank 0 could not start the SGLang engine: ServerError: SGLang server {dead.url}"
     assert results[1]["error"].startswith(relayed)
