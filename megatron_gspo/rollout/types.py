@@ -87,6 +87,18 @@ def compact_expert_dtype(num_experts: int) -> torch.dtype:
     raise ValueError(f"{num_experts} experts do not fit int16 routing storage")
 
 
+@dataclass(frozen=True)
+class RoutingSpec:
+    """Shape and range of a routed-experts record."""
+
+    num_layers: int
+    """MoE layers L."""
+    topk: int
+    """Experts per token K."""
+    num_experts: int
+    """Expert ids must lie in [0, num_experts)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A source of rollouts: the in-process engine on CPU, SGLang servers on GPU clusters."""

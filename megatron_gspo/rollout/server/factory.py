@@ -26,12 +26,17 @@ def default_exporter(runtime: Any, many: bool) -> Exporter:
 
 
 def make_server_engine(
-    engine_cls: type[ServerEngine], cfg: ServerConfig, runtime: Any, *, exporter: Exporter | None = None
+    engine_cls: type[ServerEngine],
+    cfg: ServerConfig,
+    runtime: Any,
+    *,
+    exporter: Exporter | None = None,
+    **engine_kwargs: Any,
 ) -> ServerEngine:
     """The engine of a training run, on every trainer rank (a collective when there are several ranks).
 
     `runtime` provides `dtype` (of the exported weights). A failure on rank 0 is reported on every rank instead of
-    hanging them. `engine_cls.follower_config(cfg, server_urls, generate_urls)` makes the attach-mode config of
+    hanging them. `engine_kwargs` go to every rank's engine. `engine_cls.follower_config(cfg, server_urls, generate_urls)` makes the attach-mode config of
     the other ranks.
     """
     import torch.distributed as dist
@@ -40,12 +45,12 @@ def make_server_engine(
     if exporter is None:
         exporter = default_exporter(runtime, many)
     if not many:
-        return engine_cls(cfg, exporter)
+        return engine_cls(cfg, exporter, **engine_kwargs)
     replica = replica_group()
     shared: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            engine = engine_cls(cfg, exporter, barrier=dist.barrier, replica=replica)
+            engine = engine_cls(cfg, exporter, barrier=dist.barrier, replica=replica, **engine_kwargs)
         except BaseException as e:
             dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
             raise
@@ -57,7 +62,9 @@ def make_server_engine(
         raise RuntimeError(f"rank 0 could not start the {engine_cls.kind} engine: {shared[0]}")
     server_urls, generate_urls = shared[0]
     follower = engine_cls.follower_config(cfg, server_urls, generate_urls)
-    return engine_cls(follower, exporter, leader=False, barrier=dist.barrier, replica=replica)
+    return engine_cls(
+        follower, exporter, leader=False, barrier=dist.barrier, replica=replica, **engine_kwargs
+    )
 
 
 def reachable(urls: list[str]) -> list[str]:

@@ -99,12 +99,14 @@ class ProcessSupervisor:
         name: str,
         command: list[str],
         *,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         log_path: Path | None = None,
     ) -> ManagedProcess:
-        """Starts `command` in a new process group; output to `log_path` (appended) or inherited."""
+        """Starts `command` in a new process group (environment: ours + `env`, where None unsets a variable);
+        output to `log_path` (appended) or inherited."""
         full_env = dict(os.environ)
         full_env.update(env or {})
+        full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset it for the child
         out: Any = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 from megatron_gspo.rollout.server.errors import ServerResponseError
 from megatron_gspo.rollout.server.errors import parse_json_body as parse_server_json
 from megatron_gspo.rollout.server.seeds import derive_sampling_seed
-from megatron_gspo.rollout.types import Rollout, SamplingParams, compact_expert_dtype
+from megatron_gspo.rollout.types import Rollout, RoutingSpec, SamplingParams, compact_expert_dtype
 
 __all__ = [
     "KIND",
@@ -48,18 +47,6 @@ class SGLangResponseError(ServerResponseError):
 
     def __init__(self, url: str, problem: str, *, retryable: bool = False):
         super().__init__(url, problem, retryable=retryable, kind=KIND)
-
-
-@dataclass(frozen=True)
-class RoutingSpec:
-    """Shape and range of a routed-experts record."""
-
-    num_layers: int
-    """MoE layers L."""
-    topk: int
-    """Experts per token K."""
-    num_experts: int
-    """Expert ids must lie in [0, num_experts)."""
 
 
 def build_generate_payload(
