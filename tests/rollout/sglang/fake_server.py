@@ -93,6 +93,9 @@ class FakeSGLang:
         """/update_weights_from_* answer 400 {"success": false}."""
         self.drop_fields: set[str] = set()
         """meta_info keys left out of /generate answers (an incompatible server version)."""
+        self.vary_per_request = False
+        """Mix the request number into the tokens: the same request twice gets different answers (a server that
+        is not batch-invariant)."""
         # records
         self.weight_version = "default"
         self.calls: list[tuple[str, Any]] = []
@@ -179,7 +182,10 @@ class FakeSGLang:
         prompt = body["input_ids"]
         stop_ids = list(params.get("stop_token_ids") or [])
         max_new = int(params.get("max_new_tokens", 128))
-        tokens = fake_tokens(prompt, params.get("sampling_seed"), max_new, stop_ids, self.vocab_size)
+        seed = params.get("sampling_seed")
+        if self.vary_per_request:
+            seed = (seed or 0) + 7919 * number
+        tokens = fake_tokens(prompt, seed, max_new, stop_ids, self.vocab_size)
         aborted = self.abort_next > 0 or body.get("rid") in self.aborted_rids
         if aborted:
             self.abort_next = max(0, self.abort_next - 1)
