@@ -1,4 +1,4 @@
-"""What a rollout engine returns, and the protocol every engine (local, SGLang) implements.
+"""What a rollout engine returns, and the protocol every engine (local, vLLM, SGLang) implements.
 
 Routed-expert convention (same as SGLang's `return_routed_experts`): one row per token *fed* to the model, i.e.
 positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never an input), shape
@@ -101,7 +101,7 @@ class RoutingSpec:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A source of rollouts: the in-process engine on CPU, SGLang servers on GPU clusters."""
+    """A source of rollouts: the in-process engine, or vLLM / SGLang servers."""
 
     weight_version: int
 

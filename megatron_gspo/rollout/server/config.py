@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from megatron_gspo.rollout.types import RoutingSpec
+
 MODES = ("launch", "attach")
 
 
@@ -52,6 +54,14 @@ class ServerConfig:
     """Launch mode: write each server's output to files here (None: inherit stdout/stderr)."""
     stop_grace_s: float = 10.0
     """How long a stopped server gets after SIGTERM before SIGKILL."""
+    return_routed_experts: bool = False
+    """Ask servers for the experts they routed each token to (R3 routing replay)."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; required with return_routed_experts (filled from the model by the trainer)."""
+    num_moe_layers: int | None = None
+    """MoE layers of the model; required with return_routed_experts (shape of the routing record)."""
+    moe_topk: int | None = None
+    """Experts per token; required with return_routed_experts (shape of the routing record)."""
 
     def __post_init__(self) -> None:
         s = self.section
@@ -85,6 +95,32 @@ class ServerConfig:
             raise ValueError(f"{s}.backoff_s={self.backoff_s} must be >= 0")
         self.extra_server_args = [str(a) for a in self.extra_server_args]
         self.server_env = {str(k): str(v) for k, v in self.server_env.items()}
+        if self.return_routed_experts:
+            for name in ("num_experts", "num_moe_layers", "moe_topk"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(
+                        f"{s}.{name}={value!r} must be a positive integer when {s}.return_routed_experts=true"
+                    )
+            if self.moe_topk > self.num_experts:  # type: ignore[operator]
+                raise ValueError(f"{s}.moe_topk={self.moe_topk} exceeds {s}.num_experts={self.num_experts}")
+
+    @property
+    def routing(self) -> RoutingSpec | None:
+        """Shape of the routed-experts record servers return (None without return_routed_experts)."""
+        if not self.return_routed_experts:
+            return None
+        return RoutingSpec(self.num_moe_layers, self.moe_topk, self.num_experts)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_run_config(cls, options: dict[str, Any], model_config: Any):
+        """From the run config's section; the routing shape is filled from the model when R3 asks for it."""
+        options = dict(options)
+        if options.get("return_routed_experts"):
+            options.setdefault("num_experts", model_config.num_experts)
+            options.setdefault("num_moe_layers", model_config.num_hidden_layers)
+            options.setdefault("moe_topk", model_config.num_experts_per_tok)
+        return cls.from_dict(options)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]):

@@ -35,14 +35,6 @@ class SGLangConfig(ServerConfig):
     """HTTP port of the router (launch mode)."""
     colocated: bool = False
     """Servers share GPUs with the trainer: start them with `--enable-memory-saver`."""
-    return_routed_experts: bool = False
-    """Ask servers for the experts they routed each token to (R3 routing replay)."""
-    num_experts: int | None = None
-    """Routed experts per MoE layer; required with return_routed_experts (checks ids, picks the dtype)."""
-    num_moe_layers: int | None = None
-    """MoE layers of the model; required with return_routed_experts (shape of the routing record)."""
-    moe_topk: int | None = None
-    """Experts per token; required with return_routed_experts (shape of the routing record)."""
     weight_sync: str = "distributed"
     """'distributed': NCCL broadcast from the trainer into the servers; 'disk': safetensors + reload."""
     weight_sync_dir: str | None = None
@@ -80,15 +72,3 @@ class SGLangConfig(ServerConfig):
             raise ValueError(f"sglang.mem_fraction={self.mem_fraction} must be in (0, 1]")
         if self.weight_sync == "disk" and not self.weight_sync_dir:
             raise ValueError("sglang.weight_sync=disk needs sglang.weight_sync_dir (readable by the servers)")
-        if self.return_routed_experts:
-            for name in ("num_experts", "num_moe_layers", "moe_topk"):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(
-                        f"sglang.{name}={value!r} must be a positive integer "
-                        "when sglang.return_routed_experts=true"
-                    )
-            if self.moe_topk > self.num_experts:  # type: ignore[operator]
-                raise ValueError(
-                    f"sglang.moe_topk={self.moe_topk} exceeds sglang.num_experts={self.num_experts}"
-                )

@@ -30,7 +30,6 @@ from megatron_gspo.rollout.sglang.config import SGLangConfig
 from megatron_gspo.rollout.sglang.launch import router_command, router_url, server_command
 from megatron_gspo.rollout.sglang.protocol import (
     KIND,
-    RoutingSpec,
     build_generate_payload,
     decode_generate_response,
 )
@@ -66,11 +65,7 @@ class SGLangEngine(ServerEngine):
         self._group_factory = group_factory
         self._group: UpdateGroup | None = None
         self._disk_path: Path | None = None
-        self._routing = (
-            RoutingSpec(config.num_moe_layers, config.moe_topk, config.num_experts)  # type: ignore[arg-type]
-            if config.return_routed_experts
-            else None
-        )
+        self._routing = config.routing
         super().__init__(config, exporter, **kwargs)
 
     @classmethod
@@ -226,13 +221,7 @@ def make_sglang_engine(runtime: Any, *, exporter: Exporter | None = None) -> SGL
     `runtime` provides `cfg.sglang` (the options of SGLangConfig), `model_config` (fills the routing shape
     when return_routed_experts is set) and `dtype` (of the exported weights).
     """
-    options = dict(runtime.cfg.sglang)
-    if options.get("return_routed_experts"):
-        mc = runtime.model_config
-        options.setdefault("num_experts", mc.num_experts)
-        options.setdefault("num_moe_layers", mc.num_hidden_layers)
-        options.setdefault("moe_topk", mc.num_experts_per_tok)
-    cfg = SGLangConfig.from_dict(options)
+    cfg = SGLangConfig.from_run_config(runtime.cfg.sglang, runtime.model_config)
     return make_server_engine(SGLangEngine, cfg, runtime, exporter=exporter)  # type: ignore[return-value]
 
 

@@ -58,14 +58,6 @@ class VLLMConfig(ServerConfig):
     `cpu_threads` leaves core placement to the OS (what a machine shared with the trainer wants)."""
     cpu_threads: int = 0
     """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
-    return_routed_experts: bool = False
-    """Ask servers for the experts they routed each token to (R3; needs vLLM's GPU model runner)."""
-    num_experts: int | None = None
-    """Routed experts per MoE layer (filled from the model by the trainer; checks ids, picks the dtype)."""
-    num_moe_layers: int | None = None
-    """MoE layers of the model (filled from the model by the trainer)."""
-    moe_topk: int | None = None
-    """Experts per token (filled from the model by the trainer)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,13 +82,6 @@ class VLLMConfig(ServerConfig):
         check_port(self, "port_base")
         if not 0 <= self.gpu_memory_utilization <= 1:
             raise ValueError(f"vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in [0, 1]")
-        if self.return_routed_experts:
-            for name in ("num_experts", "num_moe_layers", "moe_topk"):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(
-                        f"vllm.{name}={value!r} must be a positive integer when vllm.return_routed_experts=true"
-                    )
 
     @property
     def serves_trainer_weights(self) -> bool:

@@ -35,7 +35,7 @@ from megatron_gspo.rollout.server.engine import Exporter, ServerEngine, drain
 from megatron_gspo.rollout.server.errors import ServerResponseError
 from megatron_gspo.rollout.server.factory import default_exporter, make_server_engine
 from megatron_gspo.rollout.server.transport import SHM_ROOT, remove_dir, transport_root, write_checkpoint_dir
-from megatron_gspo.rollout.types import Rollout, RoutingSpec, SamplingParams
+from megatron_gspo.rollout.types import Rollout, SamplingParams
 from megatron_gspo.rollout.vllm.config import VLLMConfig
 from megatron_gspo.rollout.vllm.launch import server_command, server_env
 from megatron_gspo.rollout.vllm.nccl import NcclWeightSender
@@ -72,11 +72,7 @@ class VLLMEngine(ServerEngine):
                 "vllm.model_path='trainer' is resolved by make_vllm_engine (it exports the trainer's weights); "
                 "give VLLMEngine an HF checkpoint directory"
             )
-        self._routing = (
-            RoutingSpec(config.num_moe_layers, config.moe_topk, config.num_experts)  # type: ignore[arg-type]
-            if config.return_routed_experts
-            else None
-        )
+        self._routing = config.routing
         self._root: Path | None = weight_root
         self._version_dir: Path | None = None
         self._sender: NcclWeightSender | None = None
@@ -268,13 +264,7 @@ def make_vllm_engine(runtime: Any, *, exporter: Exporter | None = None) -> VLLME
     """
     import torch.distributed as dist
 
-    options = dict(runtime.cfg.vllm)
-    if options.get("return_routed_experts"):
-        mc = runtime.model_config
-        options.setdefault("num_experts", mc.num_experts)
-        options.setdefault("num_moe_layers", mc.num_hidden_layers)
-        options.setdefault("moe_topk", mc.num_experts_per_tok)
-    cfg = VLLMConfig.from_dict(options)
+    cfg = VLLMConfig.from_run_config(runtime.cfg.vllm, runtime.model_config)
     many = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     exporter = exporter or default_exporter(runtime, many)
     root = None
