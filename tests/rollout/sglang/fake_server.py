@@ -157,7 +157,8 @@ class FakeSGLang:
             request.transport.abort()
         raise asyncio.CancelledError
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def _admit(self, request: web.Request) -> tuple[Any, int, web.Response | None]:
+        """(body, request number, a failure answer or None): the failure knobs every fake's generate obeys."""
         body = await self._payload(request)
         self.generate_count += 1
         number = self.generate_count
@@ -165,7 +166,13 @@ class FakeSGLang:
             await self._die(request)
         if number in self.fail_generate:
             error = {"object": "error", "message": "Internal server error", "code": 500}
-            return web.json_response(error, status=500)
+            return body, number, web.json_response(error, status=500)
+        return body, number, None
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body, number, failure = await self._admit(request)
+        if failure is not None:
+            return failure
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

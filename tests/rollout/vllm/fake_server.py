@@ -35,13 +35,9 @@ class FakeVLLM(FakeSGLang):
         return app
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await self._payload(request)
-        self.generate_count += 1
-        number = self.generate_count
-        if self.dead or (self.die_after is not None and number > self.die_after):
-            await self._die(request)
-        if number in self.fail_generate:
-            return web.json_response({"error": {"message": "Internal server error", "code": 500}}, status=500)
+        body, number, failure = await self._admit(request)
+        if failure is not None:
+            return failure
         if self.malformed_json > 0:
             self.malformed_json -= 1
             return web.Response(body=b'{"choices": [{"token_ids": [1, 2', content_type="application/json")
