@@ -238,3 +238,29 @@ def test_retries_aborts_and_clear_failures(fake):
         assert server.aborted_rids and all(r.startswith("generate-tokens-") for r in server.aborted_rids)
     finally:
         timed.close()
+
+
+def test_routed_experts_are_decoded_compact_and_checked():
+    import base64
+    import copy
+    import io
+
+    import numpy as np
+
+    from megatron_gspo.rollout.types import RoutingSpec
+
+    ids_TLK = (np.arange(6 * 2 * 2).reshape(6, 2, 2) % 8).astype(np.uint16)  # 4 prompt + 3 response - 1 rows
+    buf = io.BytesIO()
+    np.save(buf, ids_TLK)
+    body = copy.deepcopy(RECORDED)
+    body["choices"][0]["routed_experts"] = base64.b64encode(buf.getvalue()).decode()
+    spec = RoutingSpec(num_layers=2, topk=2, num_experts=8)
+    r = decode_generate_response(body, url=URL, prompt_ids=[1, 2, 3, 4], routing=spec)
+    assert r.routed_experts.dtype == torch.uint8 and r.routed_experts.tolist() == ids_TLK.tolist()
+    with pytest.raises(ServerResponseError, match="expected \\(5, 2, 2\\)"):
+        decode_generate_response(body, url=URL, prompt_ids=[1, 2, 3], routing=spec)
+    with pytest.raises(ServerResponseError, match="outside \\[0, num_experts=4\\)"):
+        decode_generate_response(body, url=URL, prompt_ids=[1, 2, 3, 4], routing=RoutingSpec(2, 2, 4))
+    body["choices"][0]["routed_experts"] = None
+    with pytest.raises(ServerResponseError, match="--enable-return-routed-experts"):
+        decode_generate_response(body, url=URL, prompt_ids=[1, 2, 3, 4], routing=spec)
