@@ -116,7 +116,7 @@ class ServerConfig:
     def from_run_config(cls, options: dict[str, Any], model_config: Any):
         """From the run config's section; the routing shape is filled from the model when R3 asks for it."""
         options = dict(options)
-        if options.get("return_routed_experts"):
+        if options.get("return_routed_experts") or options.get("capture_routes"):
             options.setdefault("num_experts", model_config.num_experts)
             options.setdefault("num_moe_layers", model_config.num_hidden_layers)
             options.setdefault("moe_topk", model_config.num_experts_per_tok)

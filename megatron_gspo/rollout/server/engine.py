@@ -279,13 +279,18 @@ class ServerEngine:
 
     async def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
-        return await gather_or_cancel(
+        rollouts = await gather_or_cancel(
             *(
                 self._sample(limit, p, s, prompt, sampling)
                 for p, prompt in enumerate(prompts)
                 for s in range(sampling.n)
             )
         )
+        await self._after_generate(rollouts)
+        return rollouts
+
+    async def _after_generate(self, rollouts: list[Rollout]) -> None:
+        """Protocol step once every sample is back (e.g. fetching recorded routes); default: nothing."""
 
     def _live_urls(self) -> list[str]:
         procs = self._process_of

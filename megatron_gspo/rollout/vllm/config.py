@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from megatron_gspo.rollout.server.config import ServerConfig, check_ints, check_port
+from megatron_gspo.rollout.types import RoutingSpec
 
 WEIGHT_TRANSPORTS = ("shm", "disk", "nccl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -59,8 +60,23 @@ class VLLMConfig(ServerConfig):
     cpu_threads: int = 0
     """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
 
+    capture_routes: bool = False
+    """R3 on CPU servers (which return no routes): record them with megatron-gspo's hooks on the MoE gates
+    (rollout/vllm/worker.py RoutingCaptureExtension; prefix caching off). GPU servers: return_routed_experts."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.capture_routes:
+            if self.return_routed_experts:
+                raise ValueError(
+                    "vllm.capture_routes and vllm.return_routed_experts both ask for routes: pick one"
+                )
+            for name in ("num_experts", "num_moe_layers", "moe_topk"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(
+                        f"vllm.{name}={value!r} must be a positive integer when vllm.capture_routes=true"
+                    )
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"vllm.weight_transport={self.weight_transport!r} must be one of {WEIGHT_TRANSPORTS}"
@@ -82,6 +98,13 @@ class VLLMConfig(ServerConfig):
         check_port(self, "port_base")
         if not 0 <= self.gpu_memory_utilization <= 1:
             raise ValueError(f"vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in [0, 1]")
+
+    @property
+    def capture_spec(self) -> RoutingSpec | None:
+        """Shape of the routes the gate hooks record (None without capture_routes)."""
+        if not self.capture_routes:
+            return None
+        return RoutingSpec(self.num_moe_layers, self.moe_topk, self.num_experts)  # type: ignore[arg-type]
 
     @property
     def serves_trainer_weights(self) -> bool:

@@ -45,6 +45,7 @@ from megatron_gspo.rollout.vllm.protocol import (
     build_generate_request,
     decode_generate_response,
     decode_prompt_logprobs,
+    decode_routed_experts,
     parse_weight_version,
 )
 
@@ -85,6 +86,20 @@ class VLLMEngine(ServerEngine):
 
     def server_env(self, index: int) -> dict[str, str | None]:  # type: ignore[override]
         return server_env(self.config)
+
+    def _launch(self) -> None:
+        super()._launch()
+        self._enable_capture()
+
+    def _attach(self) -> None:
+        super()._attach()
+        self._enable_capture()
+
+    def _enable_capture(self) -> None:
+        """capture_routes: installs the gate hooks in every server before anything is generated (idempotent)."""
+        spec = self.config.capture_spec
+        if spec is not None:
+            self._run(self._call_all("/collective_rpc", {"method": "gspo_enable_routing", "args": [str(spec.topk)]}))
 
     async def _release(self) -> None:
         if self._sender is not None:
@@ -142,6 +157,26 @@ class VLLMEngine(ServerEngine):
         }
         answer = self._run(self._client.call(url, self.generate_path, body))
         return decode_prompt_logprobs(answer, token_ids, url)
+
+    async def _after_generate(self, rollouts: list[Rollout]) -> None:
+        """With capture_routes: every sample's routes from the gate hooks of the server that generated it."""
+        spec = self.config.capture_spec
+        if spec is None or not rollouts:
+            return
+        by_url: dict[str, list[Rollout]] = {}
+        for r in rollouts:
+            by_url.setdefault(r.extra["server"], []).append(r)
+        for url, group in by_url.items():
+            prefixes = [REQUEST_ID_PREFIX + r.extra["rid"] for r in group]
+            body = {"method": "gspo_pop_routes", "args": [json.dumps(prefixes)]}
+            answer = await self._client.call(url, "/collective_rpc", body)
+            routes = (answer or {}).get("results", [None])[0] or {}
+            for prefix, r in zip(prefixes, group):
+                rows = len(r.prompt_ids) + len(r.response_ids) - 1
+                where = f"captured routes of {prefix}"
+                r.routed_experts = decode_routed_experts(
+                    routes.get(prefix), rows, spec, url, where=where, extra_rows_ok=True
+                )
 
     # -------------------------------------------------------------------------------------------- weight sync
 

@@ -8,6 +8,8 @@ import os
 from megatron_gspo.rollout.vllm.config import VLLMConfig
 from megatron_gspo.rollout.vllm.plugin import BACKEND
 
+CAPTURE_EXTENSION = "megatron_gspo.rollout.vllm.worker.RoutingCaptureExtension"
+
 
 def server_command(cfg: VLLMConfig, index: int, model_path: str | None = None) -> list[str]:
     """Command line of launched server `index`: token ids in and out (no tokenizer), the RL token API
@@ -38,6 +40,8 @@ def server_command(cfg: VLLMConfig, index: int, model_path: str | None = None) -
         cmd += ["--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:g}"]
     if cfg.return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if cfg.capture_routes:
+        cmd += ["--worker-extension-cls", CAPTURE_EXTENSION, "--no-enable-prefix-caching"]
     return cmd + list(cfg.extra_server_args)
 
 

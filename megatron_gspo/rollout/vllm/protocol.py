@@ -79,29 +79,40 @@ def decode_weight_versions(spans: Any, url: str) -> int:
     return min(parse_weight_version(s["version"], url) for s in spans)
 
 
-def decode_routed_experts(encoded: Any, num_tokens: int, spec: RoutingSpec, url: str) -> torch.Tensor:
-    """base64 .npy [num_tokens, L, K] -> compact tensor (uint8 / int16), with the ids range-checked."""
+def decode_routed_experts(
+    encoded: Any,
+    num_tokens: int,
+    spec: RoutingSpec,
+    url: str,
+    *,
+    where: str = "choices[0].routed_experts",
+    extra_rows_ok: bool = False,
+) -> torch.Tensor:
+    """base64 .npy [num_tokens, L, K] -> compact tensor (uint8 / int16), with the ids range-checked.
+
+    `extra_rows_ok`: rows past num_tokens are dropped (captured routes may include a forward of the last token).
+    """
     if not isinstance(encoded, str):
         raise _error(
             url,
-            f"choices[0].routed_experts is {type(encoded).__name__}: start the server with "
-            "--enable-return-routed-experts (vLLM's GPU model runner; a CPU server returns none)",
+            f"{where} is {type(encoded).__name__}: start the server with "
+            "--enable-return-routed-experts (vLLM's GPU model runner; on CPU use vllm.capture_routes)",
         )
     try:
         ids_TLK = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
     except (binascii.Error, ValueError, OSError) as e:
-        raise _error(url, f"choices[0].routed_experts is not base64 .npy ({e})") from None
+        raise _error(url, f"{where} is not base64 .npy ({e})") from None
     expected = (num_tokens, spec.num_layers, spec.topk)
+    if extra_rows_ok and ids_TLK.ndim == 3 and ids_TLK.shape[0] > num_tokens:
+        ids_TLK = ids_TLK[:num_tokens]
     if tuple(ids_TLK.shape) != expected:
         raise _error(
             url,
-            f"choices[0].routed_experts has shape {tuple(ids_TLK.shape)}, expected {expected} "
+            f"{where} has shape {tuple(ids_TLK.shape)}, expected {expected} "
             "(prompt + response - 1 tokens, layers, top-k)",
         )
     if ids_TLK.size and (int(ids_TLK.min()) < 0 or int(ids_TLK.max()) >= spec.num_experts):
-        raise _error(
-            url, f"choices[0].routed_experts holds expert ids outside [0, num_experts={spec.num_experts})"
-        )
+        raise _error(url, f"{where} holds expert ids outside [0, num_experts={spec.num_experts})")
     np_dtype = np.uint8 if compact_expert_dtype(spec.num_experts) == torch.uint8 else np.int16
     return torch.from_numpy(ids_TLK.astype(np_dtype))
 

@@ -12,14 +12,25 @@ which on CPU (`experts/cpu_moe.py`) prepacks w13 / w2 into the grouped-GEMM layo
 in the parameters unpacked while the kernel reads them as packed: log-probs were 0.08-0.3 off after an update
 (REFERENCE.md §9). `repack_cpu_moe` re-runs that prepack after every update, for the vLLM versions in
 `REPACK_VERSIONS` (where the skip was read); any other version is refused on CPU until its source is checked.
+
+R3 on a CPU server (`RoutingCaptureExtension`, `--worker-extension-cls`): vLLM returns routed experts only from its
+model runner V2, which needs Triton (REFERENCE.md §9). A forward hook on every MoE gate (`FusedMoE`'s runner calls
+`self.gate(hidden_states)`, model_executor/layers/fused_moe/runner/moe_runner.py) records the top-k of the router
+logits per forwarded token; the worker's `execute_model` is wrapped to split each step's tokens by request, in the
+input batch's order with the scheduler's token counts (how the V1 runner flattens them). Prefix caching must be off
+(cached tokens are never forwarded).
 Optionally (`enable_routing_capture`), a forward hook on every MoE gate records the router's top-k choices (R3).
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import vllm
 from vllm.distributed.weight_transfer.base import (
@@ -106,3 +117,60 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[SafetensorsInitInfo, 
 
     def shutdown(self) -> None:
         """Nothing held between updates."""
+
+
+class RoutingCaptureExtension:
+    """Worker extension: each request's routed experts, recorded by hooks on the MoE gates (CPU R3).
+
+    Methods are called through `/collective_rpc` (string arguments): `gspo_enable_routing(topk)` once,
+    `gspo_pop_routes(json list of request-id prefixes)` after generation -> {prefix: base64 .npy int16 [T, L, K]}.
+    """
+
+    def gspo_enable_routing(self, topk: str) -> str:
+        """Installs the gate hooks and the per-step split; returns the number of MoE layers hooked."""
+        if getattr(self, "_gspo_routes", None) is not None:
+            return str(len(self._gspo_gates))
+        runner = self.model_runner  # type: ignore[attr-defined]
+        k = int(topk)
+        self._gspo_routes: dict[str, list[np.ndarray]] = {}
+        self._gspo_step: list[torch.Tensor] = []
+        self._gspo_gates = [
+            m.gate for m in runner.get_model().modules() if hasattr(m, "gate") and hasattr(m, "experts")
+        ]
+
+        def record(module: torch.nn.Module, args: tuple, output: object) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            self._gspo_step.append(torch.topk(logits.float(), k, dim=-1).indices)
+
+        for gate in self._gspo_gates:
+            gate.register_forward_hook(record)
+        execute = runner.execute_model
+
+        def execute_and_split(scheduler_output, *args, **kwargs):
+            self._gspo_step.clear()
+            out = execute(scheduler_output, *args, **kwargs)
+            if self._gspo_step and len(self._gspo_step) == len(self._gspo_gates):
+                ids_TLK = torch.stack(self._gspo_step, dim=1).to(torch.int16).cpu().numpy()
+                offset = 0
+                for rid in runner.input_batch.req_ids:
+                    n = scheduler_output.num_scheduled_tokens.get(rid, 0)
+                    if n:
+                        self._gspo_routes.setdefault(rid, []).append(ids_TLK[offset : offset + n])
+                        offset += n
+            self._gspo_step.clear()
+            return out
+
+        runner.execute_model = execute_and_split
+        return str(len(self._gspo_gates))
+
+    def gspo_pop_routes(self, prefixes: str) -> dict:
+        """Routes of the requests whose ids start with one of the prefixes (and forgets them)."""
+        wanted = json.loads(prefixes)
+        out = {}
+        for rid in list(self._gspo_routes):
+            match = next((p for p in wanted if rid.startswith(p)), None)
+            if match is not None:
+                buf = io.BytesIO()
+                np.save(buf, np.concatenate(self._gspo_routes.pop(rid)))
+                out[match] = base64.b64encode(buf.getvalue()).decode("ascii")
+        return out

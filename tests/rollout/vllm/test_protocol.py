@@ -75,7 +75,9 @@ def test_decode_recorded_response():
     assert r.finish_reason == "stop" and r.weight_version == 4 and r.prompt_index == 2
     straddling = {**RECORDED, "choices": [{**RECORDED["choices"][0], "weight_versions": [
         {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]}]}  # fmt: skip
-    assert decode_generate_response(straddling, url=URL, prompt_ids=[1]).weight_version == 3  # as old as its oldest
+    assert (
+        decode_generate_response(straddling, url=URL, prompt_ids=[1]).weight_version == 3
+    )  # as old as its oldest
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,13 @@ def test_prompt_logprobs():
         (dict(tp_size=0), "vllm.tp_size=0"),
         (dict(cpu_threads=-1), "vllm.cpu_threads=-1"),
         (dict(return_routed_experts=True), "vllm.num_experts=None"),
+        (dict(capture_routes=True, num_experts=8, moe_topk=2), "vllm.num_moe_layers=None"),
+        (
+            dict(
+                capture_routes=True, return_routed_experts=True, num_experts=8, num_moe_layers=2, moe_topk=2
+            ),
+            "pick one",
+        ),
     ],
 )
 def test_config_errors_name_the_key(fields, message):
@@ -136,6 +145,15 @@ def test_server_command_and_environment():
         "--kv-cache-memory-bytes", "1000", "--x",
     ]  # fmt: skip
     assert '{"backend": "nccl"}' in server_command(VLLMConfig(model_path="m", weight_transport="nccl"), 0)
+    capture = VLLMConfig(model_path="m", capture_routes=True, num_experts=8, num_moe_layers=2, moe_topk=2)
+    command = server_command(capture, 0)
+    assert (
+        "--no-enable-prefix-caching" in command
+    )  # cached prompt tokens are never forwarded: no routes for them
+    assert (
+        command[command.index("--worker-extension-cls") + 1]
+        == "megatron_gspo.rollout.vllm.worker.RoutingCaptureExtension"
+    )
     env = server_env(cfg)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
@@ -155,7 +173,9 @@ def fake():
 
 
 def attach(servers, **fields) -> VLLMEngine:
-    options = dict(mode="attach", urls=[s.url for s in servers], backoff_s=0.01, max_retries=2, request_timeout_s=10)
+    options = dict(
+        mode="attach", urls=[s.url for s in servers], backoff_s=0.01, max_retries=2, request_timeout_s=10
+    )
     options.update(fields)
     return VLLMEngine(VLLMConfig(**options), lambda chunks: iter(named_weights()))
 
