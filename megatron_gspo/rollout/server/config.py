@@ -95,28 +95,35 @@ class ServerConfig:
             raise ValueError(f"{s}.backoff_s={self.backoff_s} must be >= 0")
         self.extra_server_args = [str(a) for a in self.extra_server_args]
         self.server_env = {str(k): str(v) for k, v in self.server_env.items()}
-        if self.return_routed_experts:
+        if (flag := self.routes_flag()) is not None:
             for name in ("num_experts", "num_moe_layers", "moe_topk"):
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(
-                        f"{s}.{name}={value!r} must be a positive integer when {s}.return_routed_experts=true"
-                    )
+                    raise ValueError(f"{s}.{name}={value!r} must be a positive integer when {s}.{flag}=true")
             if self.moe_topk > self.num_experts:  # type: ignore[operator]
                 raise ValueError(f"{s}.moe_topk={self.moe_topk} exceeds {s}.num_experts={self.num_experts}")
 
-    @property
-    def routing(self) -> RoutingSpec | None:
-        """Shape of the routed-experts record servers return (None without return_routed_experts)."""
-        if not self.return_routed_experts:
+    def routes_flag(self) -> str | None:
+        """The option that asks for routed experts (R3), if any (engines with other ways to get them extend it)."""
+        return "return_routed_experts" if self.return_routed_experts else None
+
+    def routes_spec(self) -> RoutingSpec | None:
+        """Shape of the routed-experts records (None when no option asks for them)."""
+        if self.routes_flag() is None:
             return None
         return RoutingSpec(self.num_moe_layers, self.moe_topk, self.num_experts)  # type: ignore[arg-type]
+
+    @property
+    def routing(self) -> RoutingSpec | None:
+        """Shape of the routed-experts record servers return in their responses (None without
+        return_routed_experts)."""
+        return self.routes_spec() if self.return_routed_experts else None
 
     @classmethod
     def from_run_config(cls, options: dict[str, Any], model_config: Any):
         """From the run config's section; the routing shape is filled from the model when R3 asks for it."""
         options = dict(options)
-        if options.get("return_routed_experts") or options.get("capture_routes"):
+        if any(options.get(flag) for flag in ("return_routed_experts", "capture_routes")):
             options.setdefault("num_experts", model_config.num_experts)
             options.setdefault("num_moe_layers", model_config.num_hidden_layers)
             options.setdefault("moe_topk", model_config.num_experts_per_tok)

@@ -65,18 +65,11 @@ class VLLMConfig(ServerConfig):
     (rollout/vllm/worker.py RoutingCaptureExtension; prefix caching off). GPU servers: return_routed_experts."""
 
     def __post_init__(self) -> None:
+        if self.capture_routes and self.return_routed_experts:
+            raise ValueError(
+                "vllm.capture_routes and vllm.return_routed_experts both ask for routes: pick one"
+            )
         super().__post_init__()
-        if self.capture_routes:
-            if self.return_routed_experts:
-                raise ValueError(
-                    "vllm.capture_routes and vllm.return_routed_experts both ask for routes: pick one"
-                )
-            for name in ("num_experts", "num_moe_layers", "moe_topk"):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(
-                        f"vllm.{name}={value!r} must be a positive integer when vllm.capture_routes=true"
-                    )
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"vllm.weight_transport={self.weight_transport!r} must be one of {WEIGHT_TRANSPORTS}"
@@ -99,12 +92,13 @@ class VLLMConfig(ServerConfig):
         if not 0 <= self.gpu_memory_utilization <= 1:
             raise ValueError(f"vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in [0, 1]")
 
+    def routes_flag(self) -> str | None:
+        return "capture_routes" if self.capture_routes else super().routes_flag()
+
     @property
     def capture_spec(self) -> RoutingSpec | None:
         """Shape of the routes the gate hooks record (None without capture_routes)."""
-        if not self.capture_routes:
-            return None
-        return RoutingSpec(self.num_moe_layers, self.moe_topk, self.num_experts)  # type: ignore[arg-type]
+        return self.routes_spec() if self.capture_routes else None
 
     @property
     def serves_trainer_weights(self) -> bool:
