@@ -1,4 +1,9 @@
-"""`megatron-gspo` command line: train | sft | eval | demo | stability | convert | plan | plot."""
+"""`megatron-gspo` command line: train | sft | eval | demo | stability | convert | plan | plot.
+
+Exit codes: 0 done; 1 the run failed (one line says why: failing rewards, a dead policy, a full disk, a collective
+that timed out); 2 bad input (a config key, a file, a checkpoint); 75 stopped by SIGTERM / SIGUSR1 after writing a
+checkpoint (continue with --resume; the Slurm scripts requeue on it); 130 interrupted by Ctrl-C.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,11 @@ import sys
 from pathlib import Path
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe_gspo.yaml"
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +50,9 @@ def cmd_sft(args) -> int:
     from megatron_gspo.training.runtime import configure_logging
     from megatron_gspo.training.sft import run_sft
 
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"--out {out} already exists; remove it, choose another directory or pass --overwrite")
     configure_logging()
     result = run_sft(_load(args), out_dir=args.out)
     print(json.dumps(result, indent=2))
@@ -136,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="cold-start supervised fine-tuning")
     _config_args(p)
     p.add_argument("--out", required=True, help="model checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
     p.set_defaults(func=cmd_sft)
     p = sub.add_parser("eval", help="held-out avg@n / pass@k")
     _config_args(p)
@@ -172,22 +186,57 @@ def main(argv: list[str] | None = None) -> int:
     # convert / plan own their argument parsers (argparse REMAINDER would swallow a leading --flag wrongly).
     passthrough = {"convert": cmd_convert, "plan": cmd_plan}
     if argv and argv[0] in passthrough:
-        try:
-            return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
-        except (ValueError, FileNotFoundError) as err:
-            print(f"megatron-gspo: error: {err}", file=sys.stderr)
-            return 2
+        return run_command(passthrough[argv[0]], argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
+
+
+def run_command(func, args) -> int:
+    """Runs a subcommand; every way it can end other than a bug is one line on stderr and an exit code."""
+    from megatron_gspo.errors import RunFailure, StopRequested, describe
     from megatron_gspo.rollout.server.errors import ServerError
 
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"megatron-gspo: error: {err}", file=sys.stderr)
-        return 2
+        return func(args)
+    except StopRequested as stop:
+        _say(str(stop))
+        return EXIT_STOPPED
+    except KeyboardInterrupt:
+        _say("interrupted (Ctrl-C); the checkpoints written so far are complete (continue a run with --resume)")
+        return EXIT_INTERRUPTED
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as err:
+        _say(f"error: {err}")
+        return EXIT_BAD_INPUT
+    except RunFailure as err:
+        _say(f"error: {err}")
+        return EXIT_FAILED
     except ServerError as err:  # a rollout server failed (died, refused, answered garbage): say which, in one line
-        print(f"megatron-gspo: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        _say(f"error: {' '.join(str(err).split())}")
+        return EXIT_FAILED
+    except OSError as err:  # a full disk, a permission denied, ...
+        _say(f"error: {describe(err)}")
+        return EXIT_FAILED
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if _is_collective_error(err):
+            _say(
+                f"error: a collective failed ({describe(err)}): another rank failed or is stuck (see its log); "
+                "parallel.timeout_s sets how long ranks wait for each other"
+            )
+            return EXIT_FAILED
+        if type(err).__name__ == "CheckpointException":
+            _say(f"error: {describe(err)}")
+            return EXIT_FAILED
+        raise
+
+
+def _say(message: str) -> None:
+    print(f"megatron-gspo: {message}", file=sys.stderr, flush=True)
+
+
+def _is_collective_error(err: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # only when the error can come from torch.distributed at all
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", None)
+    return dist_error is not None and isinstance(err, dist_error)
 
 
 if __name__ == "__main__":
