@@ -233,10 +233,16 @@ def _say(message: str) -> None:
     print(f"megatron-gspo: {message}", file=sys.stderr, flush=True)
 
 
+_COLLECTIVE_MARKERS = ("third_party/gloo", "NCCL", "ProcessGroup", "c10d")
+"""In the message of a RuntimeError from a collective (gloo's timeouts and lost peers are plain RuntimeErrors)."""
+
+
 def _is_collective_error(err: BaseException) -> bool:
     torch = sys.modules.get("torch")  # only when the error can come from torch.distributed at all
     dist_error = getattr(getattr(torch, "distributed", None), "DistError", None)
-    return dist_error is not None and isinstance(err, dist_error)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _COLLECTIVE_MARKERS)
 
 
 if __name__ == "__main__":

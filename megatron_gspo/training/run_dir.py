@@ -92,7 +92,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):  # an empty section has no leaves: the same as an absent one
             flat.update(_flatten(value, name + "."))
         else:
             flat[name] = value

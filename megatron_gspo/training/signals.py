@@ -3,7 +3,8 @@ before the time limit) become a request to stop after the current RL step, with 
 
 The handler only records the signal; the trainer asks `requested()` at each step boundary, where all ranks agree
 through one collective (a signal can reach ranks at different moments, or only some of them), so every rank stops
-after the same step. A second signal of the same kind ends the process at once (the default action).
+after the same step. Further signals change nothing: Slurm signals every process of a job (and the launch scripts
+pass signals on), so one stop request often arrives more than once. Ctrl-C (SIGINT) and SIGKILL stop at once.
 """
 
 from __future__ import annotations
@@ -33,15 +34,9 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received == name:
-            # Asked twice: stop now, the way the signal would have without us.
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-            return
         if self.received is None:
-            self.received = name
-            log.warning("received %s: stopping after this RL step, with a checkpoint (send it again to stop now)", name)
+            self.received = signal.Signals(signum).name
+            log.warning("received %s: stopping after this RL step, with a checkpoint", self.received)
 
     def restore(self) -> None:
         """Puts the previous handlers back."""
