@@ -88,6 +88,7 @@ def cmd_demo(args) -> int:
     run_dir = Path(args.run_dir)
     start = time.time()
     cfg = load_run_config(args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", *args.overrides])
+    _clear_demo(run_dir, args.overwrite)
     sft = run_sft(cfg, out_dir=str(run_dir / "sft_model"))
     rl_cfg = load_run_config(
         args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", f"model.load={run_dir / 'sft_model'}", *args.overrides]
@@ -107,6 +108,29 @@ def cmd_demo(args) -> int:
             f"({100 * (summary['eval_accuracy_after'] - summary['eval_accuracy_before']):+.1f} points)"
         )
     return 0
+
+
+DEMO_OUTPUTS = ("sft_model", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "tensorboard", "plots",
+                "config.yaml")
+"""What a demo writes into its run directory (and `demo --overwrite` removes before it starts again)."""
+
+
+def _clear_demo(run_dir: Path, overwrite: bool) -> None:
+    import shutil
+
+    from megatron_gspo.training.run_dir import check_new_run_dir
+
+    if not overwrite:
+        if (run_dir / "sft_model").exists():
+            raise FileExistsError(f"--run-dir {run_dir} holds a previous demo: pass --overwrite or another --run-dir")
+        check_new_run_dir(run_dir)
+        return
+    for name in DEMO_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def cmd_stability(args) -> int:
@@ -157,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the embedded default: SFT then GSPO on a tiny MoE (CPU, minutes)")
     _config_args(p)
     p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous demo in --run-dir")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("stability", help="GSPO vs GRPO vs GRPO + routing replay report (MoE stability)")
     _config_args(p)

@@ -174,3 +174,15 @@ def test_config_changes_compare_like_for_like():
     assert config_changes(a, b) == [("sglang.urls", "<unset>", ["http://x:1"])]  # moe defaults filled in
     assert resumable("sglang.urls") and resumable("trainer.steps") and not resumable("optim.lr")
     assert not resumable("trainer.seed") and not resumable("moe.routing_replay")
+
+
+def test_demo_refuses_a_previous_demo_without_overwrite(tmp_path):
+    run = tmp_path / "demo"
+    (run / "sft_model").mkdir(parents=True)
+    (run / "sft_model" / "config.json").write_text("{}")
+    res = _cli("demo", "--run-dir", run, "sft.max_steps=1", "sft.eval_every=1", "sft.eval_prompts=4",
+               "data.train_size=64", "data.heldout_size=4", "sft.batch_size=8", "trainer.micro_batch_size=8",
+               "trainer.steps=1", "trainer.prompts_per_step=2", "eval.max_prompts=4", ok=False)
+    line = _one_line_error(res)
+    assert "holds a previous demo: pass --overwrite" in line
+    assert (run / "sft_model" / "config.json").read_text() == "{}"
