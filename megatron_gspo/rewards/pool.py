@@ -3,8 +3,8 @@
 math_verify can loop on adversarial expressions (sympy), and user rewards call sandboxes and services. A call that
 runs past `timeout_s` is abandoned by killing its worker (a thread could not be stopped) and scored as an error; a
 fresh worker takes over the rest of the batch. Items travel to a worker in chunks and come back one small message
-per item, so a fast reward pays a pipe message per item (tools/bench_rewards.py measures it against calling the
-function in-process).
+per few milliseconds of work (results are flushed at least every FLUSH_S), so a fast reward pays little for its
+deadline (tools/bench_rewards.py measures it against calling the function in-process).
 
 Workers are spawned, not forked: the trainer holds threads and process-group sockets. They ignore SIGINT, SIGTERM
 and SIGUSR1 (Ctrl-C and Slurm's signals reach the whole process group; the trainer decides when to stop and still
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
 """Seconds a new worker may take to start and import the reward function."""
+FLUSH_S = 0.002
+"""A worker sends the results it has at least this often (a deadline then runs from the last results received)."""
 
 
 class Outcome(NamedTuple):
@@ -84,7 +86,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _serve(conn, fn_bytes: bytes, parent: int) -> None:
-    """Worker main loop: `ready`, then for each chunk of (index, response, answer, meta) one (index, Outcome)."""
+    """Worker main loop: `ready`, then for each chunk of (index, response, answer, meta) lists of (index, Outcome),
+    sent every FLUSH_S and when the chunk is done."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent(parent)
@@ -101,8 +104,15 @@ def _serve(conn, fn_bytes: bytes, parent: int) -> None:
             return
         if chunk is None:
             return
+        done, flushed = [], time.monotonic()
         for index, response, answer, meta in chunk:
-            conn.send((index, call_reward(fn, response, answer, meta)))
+            done.append((index, call_reward(fn, response, answer, meta)))
+            now = time.monotonic()
+            if now - flushed >= FLUSH_S:
+                conn.send(("done", done))
+                done, flushed = [], now
+        if done:
+            conn.send(("done", done))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,6 +204,9 @@ class RewardPool:
                 w = next(x for x in self._workers if x.conn is conn)
                 try:
                     msg = conn.recv()
+                    while msg[0] == "done" and conn.poll():  # everything already there, in one go
+                        more = conn.recv()
+                        msg = (msg[0], msg[1] + more[1]) if more[0] == "done" else more
                 except (EOFError, OSError):
                     w.proc.join(timeout=5)
                     if not w.ready:
@@ -209,10 +222,10 @@ class RewardPool:
                     self.close()
                     raise ValueError(f"reward {self.name!r} cannot be loaded in a worker process: {msg[1]}")
                 else:
-                    index, outcome = msg
-                    results[index] = outcome
-                    remaining -= 1
-                    w.inflight.popleft()
+                    for index, outcome in msg[1]:
+                        results[index] = outcome
+                        w.inflight.popleft()
+                    remaining -= len(msg[1])
                     w.deadline = time.monotonic() + self.timeout_s
             now = time.monotonic()
             for w in list(self._workers):
