@@ -184,7 +184,10 @@ class CheckpointManager:
                 fh.flush()
                 os.fsync(fh.fileno())
             fsync_tree(tmp)
-            if final.exists():  # a checkpoint of the same step from an earlier attempt
+            if final.exists():  # the same step from an earlier attempt of this run; never another run's
+                owner = (self.read_state(final) or {}).get("run_id", self.run_id)
+                if owner != self.run_id:
+                    raise FileExistsError(f"{final} belongs to another run (run id {owner}): move it away")
                 self._discard(final)
             os.replace(tmp, final)
             fsync_path(self.root)

@@ -116,3 +116,33 @@ def test_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(tmp_path):
     assert last.startswith("megatron-gspo: error: checkpoint iter_0000002 not written (iter_0000002.tmp removed)")
     assert "No space left on device" in last and "Traceback" not in res.stderr
     assert sorted(os.listdir(run / "checkpoints")) == ["iter_0000001", "latest"]
+
+
+def _fake_save(root: str) -> dict:
+    """Saves through CheckpointManager with a trivial writer: replaces this run's own step, never another run's."""
+    from megatron_gspo.parallel import initialize
+    from megatron_gspo.parallel.config import ParallelConfig
+    from megatron_gspo.training.checkpoint import CheckpointManager, CheckpointWriteError
+
+    initialize(ParallelConfig())
+    manager = CheckpointManager(Path(root), keep_last=5, run_id="mine")
+
+    def write(tmp):
+        (tmp / "data.txt").write_text("new")
+
+    manager.save(3, write, {"step": 3})
+    manager.save(3, write, {"step": 3})  # again: replaced
+    _state(Path(root) / "iter_0000004", 4, "theirs")
+    try:
+        manager.save(4, write, {"step": 4})
+        error = None
+    except CheckpointWriteError as err:
+        error = str(err)
+    return dict(error=error, entries=sorted(os.listdir(root)))
+
+
+def test_a_save_replaces_its_own_step_but_never_another_runs(tmp_path):
+    out = run_distributed(_fake_save, str(tmp_path / "c"), world_size=1)[0]
+    assert "belongs to another run (run id theirs): move it away" in out["error"]
+    assert out["entries"] == ["iter_0000003", "iter_0000004", "latest"]
+    assert json.loads((tmp_path / "c" / "iter_0000004" / "trainer_state.json").read_text())["run_id"] == "theirs"
