@@ -19,7 +19,6 @@ Each run has a random run id, kept across resumes: pruning deletes only this run
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
 from megatron_gspo.errors import RunFailure, describe
 
 log = logging.getLogger(__name__)
@@ -50,41 +50,6 @@ class CheckpointWriteError(RunFailure):
 def new_run_id() -> str:
     """A fresh run id (names the checkpoints a run owns)."""
     return uuid.uuid4().hex[:12]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Durability
-# ---------------------------------------------------------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames and new entries in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        # Some file systems cannot fsync a directory; the data files were synced by their writers.
-        if not (path.is_dir() and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under `root` (directories after their contents)."""
-    for dirpath, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(Path(dirpath))
-
-
-def write_durably(path: Path, text: str) -> None:
-    """Writes `text` to `path` through `path.tmp`: flushed, fsynced, renamed, directory fsynced."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,10 +10,9 @@ import math
 import time
 from pathlib import Path
 
-import yaml
-
 import torch
 import torch.distributed as dist
+import yaml
 
 from megatron_gspo.algorithms import (
     combine_metrics,
@@ -135,7 +134,7 @@ class GSPOTrainer:
             if state.get("world_size") != dist.get_world_size():
                 raise ValueError(
                     f"{path} was written by {state.get('world_size')} ranks but this run has {dist.get_world_size()}: "
-                    "optimizer state resumes only in the same layout (start a new run with model.load=" f"{path})"
+                    f"optimizer state resumes only in the same layout (start a new run with model.load={path})"
                 )
             self.ckpt.run_id = state.get("run_id")
             load_trainer_contents(path, self.rt)
@@ -409,11 +408,10 @@ class GSPOTrainer:
         flags = torch.tensor(local, dtype=torch.float64, device=self.rt.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flags)
-        calls, errors, signal_ranks, sigterm, other = flags.tolist()
+        calls, errors, ranks_with_signal, sigterm, other = flags.tolist()
         metrics["reward_error_frac"] = errors / calls if calls else 0.0
-        metrics.update(
-            self.health.observe(self.step, [u["grad_norm"] for u in updates], signal_ranks > 0, metrics.get("reward_mean", 0.0))
-        )
+        grad_norms = [u["grad_norm"] for u in updates]
+        metrics.update(self.health.observe(self.step, grad_norms, ranks_with_signal > 0, metrics.get("reward_mean", 0.0)))
         failure = self.health.failure
         if calls and errors / calls >= self.cfg.scoring.max_error_frac:
             first = next((m for m in self.rt.gather_objects(first_error) if m), "on another rank")

@@ -2,7 +2,6 @@
 changes it cannot honour and cuts its logs back to the checkpoint, damaged checkpoints and logs are one line."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
