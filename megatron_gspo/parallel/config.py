@@ -24,8 +24,9 @@ class ParallelConfig:
     virtual_pp: int | None = None
     """Model chunks per pipeline stage (interleaved schedule); None disables interleaving."""
     timeout_s: float = 1800.0
-    """Seconds a collective may wait for the other ranks before the job fails (all process groups). Rank-local
-    work between two collectives (dynamic-sampling top-up rounds, a slow reward, a frozen rank) counts against it."""
+    """Seconds a collective (and the start-up rendezvous) may wait for the other ranks before the job fails (all
+    process groups). Rank-local work between two collectives (dynamic-sampling top-up rounds, a slow reward, a
+    frozen rank) counts against it."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp"):

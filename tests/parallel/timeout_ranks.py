@@ -23,6 +23,9 @@ def frozen_peer(timeout_s: float, warn_s: float) -> dict:
             records.append(record.getMessage())
 
     logging.getLogger("megatron_gspo.training.watchdog").addHandler(Keep())
+    # The timeout bounds the rendezvous too: do the slow imports (megatron) before it, so neither rank waits long.
+    from megatron.core import parallel_state, tensor_parallel  # noqa: F401
+
     initialize(ParallelConfig(timeout_s=timeout_s))
     rank = dist.get_rank()
     dog = PhaseWatchdog(warn_s, rank=rank, timeout_s=timeout_s)
