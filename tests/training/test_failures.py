@@ -24,17 +24,21 @@ def _train_fails(run_dir, extra, tracebacks=False):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "reward, extra, message",
+    "reward, extra, calls, message",
     [
-        ("always_fails", [], "RuntimeError: the grader is down"),
-        ("exits", [], "called sys.exit(3)"),
-        ("hangs", ["scoring.timeout_s=0.2"], "reward call timed out after 0.2 s"),
+        ("always_fails", [], 32, "RuntimeError: the grader is down"),
+        ("exits", [], 32, "called sys.exit(3)"),
+        # Every call times out (and costs a worker restart): a small batch.
+        ("hangs", ["scoring.timeout_s=0.2", "trainer.prompts_per_step=2", "eval.max_prompts=2"], 8,
+         "reward call timed out after 0.2 s"),
     ],
 )
-def test_a_reward_that_always_fails_fails_the_step(tmp_path, reward, extra, message):
+def test_a_reward_that_always_fails_fails_the_step(tmp_path, reward, extra, calls, message):
     line = _train_fails(tmp_path / "run", [f"data.reward=tests.training.rewards:{reward}", *extra], tracebacks=True)
     assert "megatron_gspo/" not in line
-    assert line.startswith("megatron-gspo: error: step 1: 32 of 32 reward calls failed (scoring.max_error_frac=1)")
+    assert line.startswith(
+        f"megatron-gspo: error: step 1: {calls} of {calls} reward calls failed (scoring.max_error_frac=1)"
+    )
     assert f"reward 'tests.training.rewards:{reward}' failed on" in line and line.endswith(message)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
