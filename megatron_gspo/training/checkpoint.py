@@ -187,7 +187,7 @@ class CheckpointManager:
         if not failed:
             return
         cleaned = ""
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and tmp.exists():
             try:
                 self._discard(tmp)
                 cleaned = f" ({tmp.name} removed)"
