@@ -21,9 +21,9 @@ from megatron_gspo.algorithms import (
     rollout_correction,
 )
 from megatron_gspo.data.dataset import PromptSampler
-from megatron_gspo.moe import MoEConfig
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.errors import RunFailure, StopRequested
+from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import (
     RolloutBatch,
@@ -35,7 +35,11 @@ from megatron_gspo.training.batch import (
     token_logprobs_from_logits,
 )
 from megatron_gspo.training.checkpoint import CheckpointManager, new_run_id
-from megatron_gspo.training.checkpoint_contents import RUN_CONFIG, load_trainer_contents, write_trainer_contents
+from megatron_gspo.training.checkpoint_contents import (
+    RUN_CONFIG,
+    load_trainer_contents,
+    write_trainer_contents,
+)
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
