@@ -23,7 +23,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m megatron_gspo.cli.main demo
+	$(PY) -m megatron_gspo.cli.main demo --overwrite
 
 lint: $(STAMP)
 	$(PY) -m pip install -q -e ".[lint]"

@@ -60,6 +60,99 @@ mg_cleanup_on_exit() {
     trap 'exit 143' TERM INT
 }
 
+# ---- stop signals ----------------------------------------------------------------------------------------------
+# The trainer stops after the current RL step, writes a checkpoint and exits 75 on SIGUSR1 (what train.sbatch asks
+# Slurm to send before the time limit) and SIGTERM (scancel, preemption). These helpers run a command in the
+# background and pass those signals on while waiting for it (bash runs traps only between commands, and `wait` is
+# interruptible where a foreground command is not).
+
+# pids of the direct children of process $1 (from /proc: no procps needed).
+mg_children() {
+    local stat line
+    local -a fields
+    for stat in /proc/[0-9]*/stat; do
+        line="$(cat "$stat" 2>/dev/null)" || continue
+        read -r -a fields <<<"${line##*) }"  # after "pid (comm) ": state, ppid, ...
+        if [[ "${fields[1]:-}" == "$1" ]]; then
+            local pid="${stat#/proc/}"
+            echo "${pid%/stat}"
+        fi
+    done
+}
+
+# Wait for pid $1 through trapped signals; returns its exit status. (A `wait` cut short by a trapped signal
+# returns > 128 while the process runs on; waiting again then gives its status, or 127 if it had already ended.)
+mg_wait() {
+    local pid="$1" status=0 again
+    wait "$pid" || status=$?
+    while (( status > 128 )); do
+        again=0
+        wait "$pid" 2>/dev/null || again=$?
+        (( again != 127 )) || break
+        status="$again"
+    done
+    return "$status"
+}
+
+# mg_run_trainer MODE SIGNALS command...: run the command, pass each of SIGNALS (e.g. "USR1 TERM") on as it arrives
+# (MODE direct: to the command itself, e.g. srun, which hands them to its tasks, or a rank's python; MODE children:
+# to its direct children, i.e. torchrun's workers, so torchrun neither dies of USR1 nor kills them 30 s after a
+# TERM). Other stop signals are ignored while it runs. Sets MG_STOP_SIGNAL to the first signal passed on; returns
+# the command's exit status, 75 when a signal was passed on and it failed (torchrun reports workers that stopped
+# with 75 as failed). Under DRY_RUN=1 it prints the command.
+MG_STOP_SIGNAL=""
+mg_run_trainer() {
+    local mode="$1" signals="$2"
+    shift 2
+    if mg_is_dry; then
+        mg_show "$@"
+        return 0
+    fi
+    local saved sig status=0
+    saved="$(trap -p USR1 TERM)"
+    "$@" &
+    MG_TRAINER_PID=$!
+    for sig in USR1 TERM; do
+        if [[ " $signals " == *" $sig "* ]]; then
+            # shellcheck disable=SC2064  # expand now
+            trap "mg_pass_signal $mode $sig" "$sig"
+        else
+            # shellcheck disable=SC2064
+            trap "mg_note 'ignoring SIG$sig: this job cannot stop early and resume'" "$sig"
+        fi
+    done
+    mg_wait "$MG_TRAINER_PID" || status=$?
+    trap - USR1 TERM
+    eval "$saved"
+    if [[ -n "$MG_STOP_SIGNAL" && "$status" -ne 0 ]]; then
+        status=75
+    fi
+    return "$status"
+}
+
+mg_pass_signal() {  # mode signal
+    [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$2"
+    mg_note "SIG$2: passing it to the trainer (it stops after the current step with a checkpoint)"
+    local -a targets=("$MG_TRAINER_PID")
+    if [[ "$1" == children ]]; then
+        mapfile -t targets < <(mg_children "$MG_TRAINER_PID")
+    fi
+    [[ ${#targets[@]} -eq 0 ]] || kill -s "$2" "${targets[@]}" 2>/dev/null || true
+}
+
+# After the training step of a `train` job: requeue the job (scontrol requeue) when it stopped for SIGUSR1 (the
+# signal requested before the time limit) or exited 75 without a SIGTERM; the requeued job resumes
+# (SLURM_RESTART_COUNT > 0 adds --resume). REQUEUE=0 turns it off. $1: the step's exit status.
+mg_requeue_if_stopped() {
+    local status="$1"
+    [[ "${REQUEUE:-1}" == 1 && "${MG_SUBCOMMAND:-train}" == train ]] || return 0
+    if [[ "$MG_STOP_SIGNAL" == USR1 || ( -z "$MG_STOP_SIGNAL" && "$status" == 75 ) ]]; then
+        [[ -n "${SLURM_JOB_ID:-}" ]] || mg_die "stopped early but SLURM_JOB_ID is not set: cannot requeue"
+        mg_note "training stopped before the time limit (exit $status): requeueing job $SLURM_JOB_ID; it resumes from the last checkpoint"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+}
+
 mg_print_vars() {
     local name
     for name in "$@"; do echo "$name=${!name-}"; done

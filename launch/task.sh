@@ -18,8 +18,8 @@ mg_trainer_args() {
     MG_ARGS=(-m megatron_gspo.cli.main "$sub" --config "$CONFIG")
     if [[ "$sub" == sft ]]; then
         MG_ARGS+=(--out "${SFT_OUT:-$RUN_DIR/sft_model}")
-    elif [[ "${RESUME:-0}" == 1 ]]; then
-        MG_ARGS+=(--resume)
+    elif [[ "${RESUME:-0}" == 1 || "${SLURM_RESTART_COUNT:-0}" -ge 1 ]]; then
+        MG_ARGS+=(--resume)  # asked for, or a requeued job (it continues from its checkpoint)
     fi
     MG_ARGS+=("trainer.run_dir=$RUN_DIR")
     if [[ -n "${ROLLOUT_URLS:-}" ]]; then
@@ -40,6 +40,12 @@ mg_trainer_args() {
     # shellcheck disable=SC2206  # TRAIN_OVERRIDES is a space-separated list of key=value
     [[ -z "${TRAIN_OVERRIDES:-}" ]] || MG_ARGS+=(${TRAIN_OVERRIDES})
     MG_ARGS+=("$@")
+}
+
+# Signals the trainer honours: `train` stops after the step with a checkpoint on both; `sft` cannot resume, so it
+# keeps running through the early USR1 (the job then ends at its time limit).
+mg_stop_signals() {
+    if [[ "${MG_SUBCOMMAND:-train}" == train ]]; then echo "USR1 TERM"; else echo "TERM"; fi
 }
 
 mg_task_train() {
@@ -66,8 +72,9 @@ mg_task_train() {
         # shellcheck disable=SC2206  # TORCHRUN may hold an interpreter and a module
         local -a torchrun=(${TORCHRUN:-$python -m torch.distributed.run})
         local status=0
-        mg_run "${torchrun[@]}" --nnodes="$TRAIN_NODES" --nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" \
-            --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" "${MG_ARGS[@]}" || status=$?
+        mg_run_trainer children "$(mg_stop_signals)" "${torchrun[@]}" --nnodes="$TRAIN_NODES" \
+            --nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" \
+            --master-port="$MASTER_PORT" "${MG_ARGS[@]}" || status=$?
         mg_stop_bg
         return "$status"
         ;;
@@ -81,7 +88,9 @@ mg_task_train() {
         export RANK LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK
         mg_note "training rank $RANK on node $NODE_RANK ($host)"
         mg_print_vars RANK LOCAL_RANK NODE_RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
-        mg_run "$python" "${MG_ARGS[@]}"
+        local status=0
+        mg_run_trainer direct "$(mg_stop_signals)" "$python" "${MG_ARGS[@]}" || status=$?
+        return "$status"
         ;;
     *) mg_die "LAUNCHER=${LAUNCHER} must be torchrun or srun" ;;
     esac

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree
 from megatron_gspo.models.config import ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -344,8 +345,10 @@ def replace_dir(src: Path, dst: Path) -> None:
     """Moves the complete directory `src` to `dst`, replacing an existing `dst` only after `src` is complete.
 
     A rename cannot swap two directories atomically, so an existing `dst` is first renamed aside and deleted after
-    `src` took its place: a reader sees either the old or the new complete directory, never a partial one.
+    `src` took its place: a reader sees either the old or the new complete directory, never a partial one. `src` is
+    fsynced before and the parent directory after the rename (checkpoint/durable.py).
     """
+    fsync_tree(src)  # durable before it becomes visible
     old = None
     if dst.exists():
         old = temp_sibling(dst, "old")
@@ -356,6 +359,7 @@ def replace_dir(src: Path, dst: Path) -> None:
         if old is not None:
             os.replace(old, dst)
         raise
+    fsync_path(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

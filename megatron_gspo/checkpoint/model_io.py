@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
+from megatron_gspo.errors import describe
 from megatron_gspo.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -393,8 +395,9 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
             loaded, ckpt_only, model_only = dist_checkpointing.load(
                 sharded, str(root / MODEL_DIR), strict=StrictHandling.RETURN_ALL
             )
-    except Exception as err:  # noqa: BLE001 - megatron / DCP raise many kinds; name the directory
-        raise ValueError(f"model checkpoint {root / MODEL_DIR} is unreadable or corrupt: {err}") from err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - megatron / DCP raise many kinds
+        # torch's CheckpointException (every rank's failure, with tracebacks) derives from BaseException.
+        raise ValueError(f"model checkpoint {root / MODEL_DIR} is unreadable or corrupt: {describe(err)}") from err
     # megatron's naming: "missing" = in the checkpoint but not requested, "unexpected" = requested but not stored.
     # `_extra_state` present on one side only is the other layer spec's (FP8 metadata): not a mismatch; modules
     # whose extra state the checkpoint lacks keep their own.

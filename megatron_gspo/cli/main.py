@@ -1,4 +1,9 @@
-"""`megatron-gspo` command line: train | sft | eval | demo | stability | convert | plan | plot."""
+"""`megatron-gspo` command line: train | sft | eval | demo | stability | convert | plan | plot.
+
+Exit codes: 0 done; 1 the run failed (one line says why: failing rewards, a dead policy, a full disk, a collective
+that timed out); 2 bad input (a config key, a file, a checkpoint); 75 stopped by SIGTERM / SIGUSR1 after writing a
+checkpoint (continue with --resume; the Slurm scripts requeue on it); 130 interrupted by Ctrl-C.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,11 @@ import sys
 from pathlib import Path
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe_gspo.yaml"
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +50,9 @@ def cmd_sft(args) -> int:
     from megatron_gspo.training.runtime import configure_logging
     from megatron_gspo.training.sft import run_sft
 
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"--out {out} already exists; remove it, choose another directory or pass --overwrite")
     configure_logging()
     result = run_sft(_load(args), out_dir=args.out)
     print(json.dumps(result, indent=2))
@@ -75,6 +88,7 @@ def cmd_demo(args) -> int:
     run_dir = Path(args.run_dir)
     start = time.time()
     cfg = load_run_config(args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", *args.overrides])
+    _clear_demo(run_dir, args.overwrite)
     sft = run_sft(cfg, out_dir=str(run_dir / "sft_model"))
     rl_cfg = load_run_config(
         args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", f"model.load={run_dir / 'sft_model'}", *args.overrides]
@@ -94,6 +108,29 @@ def cmd_demo(args) -> int:
             f"({100 * (summary['eval_accuracy_after'] - summary['eval_accuracy_before']):+.1f} points)"
         )
     return 0
+
+
+DEMO_OUTPUTS = ("sft_model", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "tensorboard", "plots",
+                "config.yaml")
+"""What a demo writes into its run directory (and `demo --overwrite` removes before it starts again)."""
+
+
+def _clear_demo(run_dir: Path, overwrite: bool) -> None:
+    import shutil
+
+    from megatron_gspo.training.run_dir import check_new_run_dir
+
+    if not overwrite:
+        if (run_dir / "sft_model").exists():
+            raise FileExistsError(f"--run-dir {run_dir} holds a previous demo: pass --overwrite or another --run-dir")
+        check_new_run_dir(run_dir)
+        return
+    for name in DEMO_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def cmd_stability(args) -> int:
@@ -136,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="cold-start supervised fine-tuning")
     _config_args(p)
     p.add_argument("--out", required=True, help="model checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
     p.set_defaults(func=cmd_sft)
     p = sub.add_parser("eval", help="held-out avg@n / pass@k")
     _config_args(p)
@@ -143,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the embedded default: SFT then GSPO on a tiny MoE (CPU, minutes)")
     _config_args(p)
     p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous demo in --run-dir")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("stability", help="GSPO vs GRPO vs GRPO + routing replay report (MoE stability)")
     _config_args(p)
@@ -172,22 +211,63 @@ def main(argv: list[str] | None = None) -> int:
     # convert / plan own their argument parsers (argparse REMAINDER would swallow a leading --flag wrongly).
     passthrough = {"convert": cmd_convert, "plan": cmd_plan}
     if argv and argv[0] in passthrough:
-        try:
-            return passthrough[argv[0]](argparse.Namespace(rest=argv[1:]))
-        except (ValueError, FileNotFoundError) as err:
-            print(f"megatron-gspo: error: {err}", file=sys.stderr)
-            return 2
+        return run_command(passthrough[argv[0]], argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
+
+
+def run_command(func, args) -> int:
+    """Runs a subcommand; every way it can end other than a bug is one line on stderr and an exit code."""
+    from megatron_gspo.errors import RunFailure, StopRequested, describe
     from megatron_gspo.rollout.server.errors import ServerError
 
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"megatron-gspo: error: {err}", file=sys.stderr)
-        return 2
+        return func(args)
+    except StopRequested as stop:
+        _say(str(stop))
+        return EXIT_STOPPED
+    except KeyboardInterrupt:
+        _say("interrupted (Ctrl-C); the checkpoints written so far are complete (continue a run with --resume)")
+        return EXIT_INTERRUPTED
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as err:
+        _say(f"error: {err}")
+        return EXIT_BAD_INPUT
+    except RunFailure as err:
+        _say(f"error: {err}")
+        return EXIT_FAILED
     except ServerError as err:  # a rollout server failed (died, refused, answered garbage): say which, in one line
-        print(f"megatron-gspo: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        _say(f"error: {' '.join(str(err).split())}")
+        return EXIT_FAILED
+    except OSError as err:  # a full disk, a permission denied, ...
+        _say(f"error: {describe(err)}")
+        return EXIT_FAILED
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if _is_collective_error(err):
+            _say(
+                f"error: a collective failed ({describe(err)}): another rank failed or is stuck (see its log); "
+                "parallel.timeout_s sets how long ranks wait for each other"
+            )
+            return EXIT_FAILED
+        if type(err).__name__ == "CheckpointException":
+            _say(f"error: {describe(err)}")
+            return EXIT_FAILED
+        raise
+
+
+def _say(message: str) -> None:
+    print(f"megatron-gspo: {message}", file=sys.stderr, flush=True)
+
+
+_COLLECTIVE_MARKERS = ("third_party/gloo", "NCCL", "ProcessGroup", "c10d")
+"""In the message of a RuntimeError from a collective (gloo's timeouts and lost peers are plain RuntimeErrors)."""
+
+
+def _is_collective_error(err: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # only when the error can come from torch.distributed at all
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _COLLECTIVE_MARKERS)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ class ParallelConfig:
     """Split activations along the sequence between TP ranks (required with tp > 1 for MoE training)."""
     virtual_pp: int | None = None
     """Model chunks per pipeline stage (interleaved schedule); None disables interleaving."""
+    timeout_s: float = 1800.0
+    """Seconds a collective (and the start-up rendezvous) may wait for the other ranks before the job fails (all
+    process groups). Rank-local work between two collectives (dynamic-sampling top-up rounds, a slow reward, a
+    frozen rank) counts against it."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp"):
@@ -43,6 +47,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.etp={self.etp!r} must be an integer >= 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1; set it to false for tp=1")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a number of seconds > 0")
         if self.virtual_pp is not None and (self.virtual_pp < 1 or self.pp == 1):
             raise ValueError(f"parallel.virtual_pp={self.virtual_pp} needs parallel.pp > 1 and a value >= 1")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -45,24 +46,28 @@ def _launch_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def start_process_group() -> DistributedEnv:
-    """Starts torch.distributed if needed: NCCL with CUDA, gloo without; a private store when alone."""
+def start_process_group(timeout_s: float | None = None) -> DistributedEnv:
+    """Starts torch.distributed if needed: NCCL with CUDA, gloo without; a private store when alone.
+
+    `timeout_s` bounds how long any collective of the default group waits for the other ranks (torch's default
+    otherwise: 10 min for NCCL, 30 min for gloo)."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if dist.is_initialized():
         return DistributedEnv(dist.get_rank(), dist.get_world_size(), _launch_env()[2], dist.get_backend())
     rank, world, local = _launch_env()
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         torch.cuda.set_device(local % torch.cuda.device_count())
     if world == 1 and "MASTER_ADDR" not in os.environ:
         # A single process needs no rendezvous: an in-memory store avoids binding a port.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise RuntimeError(
                 f"world size {world} needs MASTER_ADDR and MASTER_PORT (torchrun sets them; under srun export "
                 "them, e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))"
             )
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     return DistributedEnv(rank, world, local, backend)
 
 
@@ -86,7 +91,7 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistributedEnv:
     cpu_backend.apply_without_te()
     from megatron.core import parallel_state
 
-    env = start_process_group()
+    env = start_process_group(parallel.timeout_s)
     parallel.data_parallel_size(env.world_size)  # raises a clear error when the layout does not fit
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -97,6 +102,7 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistributedEnv:
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
+        distributed_timeout_minutes=parallel.timeout_s / 60,
     )
     seed_everything(seed)
     return env

@@ -2,18 +2,23 @@
 
 A reward function maps (response text, reference answer, meta) to a float. Built-ins register themselves
 under a name (`@register_reward("exact_match")`); a user function is named by its import path,
-`my_pkg.rewards:score`.
+`my_pkg.rewards:score`. (torch is imported only where a batch is scored, so reward worker processes start
+without it.)
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
-import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.rewards.pool import Outcome, RewardPool, call_reward
+
+if TYPE_CHECKING:
+    import torch
 
 RewardFn = Callable[[str, str, dict], float]
 """(response text, reference answer, meta) -> reward."""
@@ -100,26 +105,59 @@ def _qualname(fn: Any) -> str:
 
 
 class RewardScorer:
-    """Applies a reward function to a batch; an item whose function raises or returns a non-finite value
-    scores 0.
+    """Applies a reward function to a batch; an item whose function fails (raises, calls sys.exit, returns a
+    non-number or a non-finite value, or runs past the timeout) scores 0.
 
     Such items are counted (`num_errors` over the scorer's life, `last_metrics['reward_errors']` for the last
-    call) and the first one is logged with its traceback, once: a buggy reward must show up in the metrics,
-    not stop a multi-day run.
+    call, `take_window()` since the last window) and the first one is logged with its traceback, once: one buggy
+    reward call must show up in the metrics, not stop a multi-day run (the trainer fails a step whose error
+    fraction reaches `scoring.max_error_frac`).
+
+    With `scoring.workers > 0` calls run in worker processes with a per-call timeout (rewards/pool.py); without a
+    `scoring` config, or for a function that cannot be sent to a worker, they run in this process.
     """
 
-    def __init__(self, fn: RewardFn | str, name: str | None = None) -> None:
+    def __init__(
+        self,
+        fn: RewardFn | str,
+        name: str | None = None,
+        *,
+        scoring: ScoringConfig | None = None,
+        pool: RewardPool | None = None,
+    ) -> None:
         self.fn: RewardFn = get_reward(fn) if isinstance(fn, str) else fn
         self.name = name or (fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn)))
+        _check_signature(self.fn, self.name)
+        self.pool = pool
+        self._owns_pool = False
+        if pool is None and scoring is not None and scoring.workers > 0:
+            if RewardPool.supports(self.fn):
+                self.pool = RewardPool(self.fn, workers=scoring.workers, timeout_s=scoring.timeout_s, name=self.name)
+                self._owns_pool = True
+            else:
+                logger.warning(
+                    "reward %r cannot be sent to a worker process (not a module-level function): it runs in the "
+                    "trainer process, without scoring.timeout_s",
+                    self.name,
+                )
         self.num_errors = 0
         self.num_scored = 0
         self.last_metrics: dict[str, float] = {}
         self._logged_error = False
+        self._window = [0, 0, None]  # calls, errors, first error message
+
+    def sharing(self) -> RewardScorer:
+        """A scorer of the same function and worker pool with its own counters (e.g. for evaluation)."""
+        other = RewardScorer(self.fn, self.name, pool=self.pool)
+        other._logged_error = self._logged_error
+        return other
 
     def score(
         self, responses: Sequence[str], answers: Sequence[str], metas: Sequence[dict] | None = None
     ) -> torch.Tensor:
         """Rewards of the batch, float32 [B]; also sets `last_metrics` (reward_mean, reward_errors)."""
+        import torch
+
         if metas is None:
             metas = [{} for _ in responses]
         if not len(responses) == len(answers) == len(metas):
@@ -127,20 +165,23 @@ class RewardScorer:
                 f"score() got {len(responses)} responses, {len(answers)} answers and {len(metas)} metas; "
                 "they must line up one to one"
             )
-        values = []
+        items = list(zip(responses, answers, metas))
+        if self.pool is not None:
+            outcomes = self.pool.map(items)
+        else:
+            outcomes = [call_reward(self.fn, r, a, m) for r, a, m in items]
         errors = 0
-        for index, (response, answer, meta) in enumerate(zip(responses, answers, metas)):
-            try:
-                value = float(self.fn(response, answer, meta))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}, not a finite number")
-            except Exception as exc:
+        for index, outcome in enumerate(outcomes):
+            if outcome.error is not None:
                 errors += 1
-                self._log_first_error(index, response, exc)
-                value = 0.0
-            values.append(value)
+                self._log_first_error(index, responses[index], outcome)
+                if self._window[2] is None:
+                    self._window[2] = f"reward {self.name!r} failed on {responses[index]!r:.60}: {outcome.error}"
+        values = [o.value for o in outcomes]
         self.num_errors += errors
         self.num_scored += len(values)
+        self._window[0] += len(values)
+        self._window[1] += errors
         rewards = torch.tensor(values, dtype=torch.float32)
         self.last_metrics = {
             "reward_mean": rewards.mean().item() if values else 0.0,
@@ -148,17 +189,42 @@ class RewardScorer:
         }
         return rewards
 
-    def _log_first_error(self, index: int, response: str, exc: Exception) -> None:
+    def take_window(self) -> tuple[int, int, str | None]:
+        """(calls, failed calls, the first failure's message) since the previous `take_window`."""
+        calls, errors, first = self._window
+        self._window = [0, 0, None]
+        return calls, errors, first
+
+    def close(self) -> None:
+        """Stops the worker processes this scorer started (a `sharing()` scorer leaves them to their owner)."""
+        if self._owns_pool and self.pool is not None:
+            self.pool.close()
+
+    def _log_first_error(self, index: int, response: str, outcome: Outcome) -> None:
         if self._logged_error:
             return
         self._logged_error = True
         logger.warning(
-            "reward %r failed on batch item %d (response %.80r): %s: %s; it scores 0, and later failures are "
-            "only counted (metric reward_errors)",
+            "reward %r failed on batch item %d (response %.80r): %s; it scores 0, and later failures are "
+            "only counted (metric reward_errors)%s",
             self.name,
             index,
             response,
-            type(exc).__name__,
-            exc,
-            exc_info=exc,
+            outcome.error,
+            f"\n{outcome.detail.rstrip()}" if outcome.detail else "",
         )
+
+
+def _check_signature(fn: Any, name: str) -> None:
+    """A reward is called as fn(response, answer, meta): refuse one that cannot take that, before training."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some callables have no signature to check
+        return
+    try:
+        signature.bind("", "", {})
+    except TypeError as err:
+        raise ValueError(
+            f"reward {name!r} has the signature {signature}, but rewards are called as fn(response, answer, meta) "
+            f"({err})"
+        ) from None

@@ -1,128 +1,223 @@
-"""Trainer checkpoints: written to a temporary directory, renamed when complete, `latest` updated last.
+"""Trainer checkpoints on disk: how each one is made atomic and durable, how the newest complete one is found, and
+which ones are pruned. What a checkpoint holds is written by a callback (checkpoint_contents.py), so the format
+inside can change without touching this protocol.
 
-Layout of `checkpoints/iter_0000012/`:
-  config.json, megatron_gspo.json, model/   the model, as a megatron dist_checkpointing checkpoint
-                                            (checkpoint/model_io.py; loadable by any layout, convertible to HF)
-  optimizer/rank_00000.pt                   megatron optimizer + LR schedule state of each rank
-  rng/rank_00000.pt                         python / numpy / torch / megatron tracker RNG states of each rank
-  trainer_state.json                        step, data position, summary so far
-Optimizer and RNG state are per rank, so an exact resume needs the same layout; the model part reshards.
+Layout of `checkpoints/`:
+  iter_0000012/                 a complete checkpoint; `trainer_state.json` in it is written last (step, run id,
+                                world size, loop state), before the directory is renamed from `iter_0000012.tmp`
+  latest                        the name of the newest complete checkpoint, replaced atomically after the rename
+  iter_*.tmp, *.trash           being written / being deleted: never read, removed by the next save
+
+A save: every rank writes its files into `iter_N.tmp` (fsynced by their writers); all ranks agree that every rank
+succeeded; rank 0 writes trainer_state.json, fsyncs every file and directory of the tree, renames it to `iter_N`,
+fsyncs `checkpoints/`, then writes `latest` the same way. A failure on any rank (a full disk, a killed process)
+leaves no `iter_N` and removes `iter_N.tmp`. Replacing or pruning a directory renames it to `*.trash` first, so a
+kill mid-deletion never leaves a half-deleted `iter_N` behind.
+
+Each run has a random run id, kept across resumes: pruning deletes only this run's checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import random
+import re
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
+from megatron_gspo.errors import RunFailure, describe
+
+log = logging.getLogger(__name__)
+
 _ITER = "iter_{:07d}"
+_ITER_RE = re.compile(r"iter_(\d+)")
+STATE = "trainer_state.json"
+LATEST = "latest"
 
 
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+class CheckpointWriteError(RunFailure):
+    """A checkpoint could not be written (on any rank); nothing of it is left behind."""
 
 
-def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+def new_run_id() -> str:
+    """A fresh run id (names the checkpoints a run owns)."""
+    return uuid.uuid4().hex[:12]
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The manager
+# ---------------------------------------------------------------------------------------------------------
 class CheckpointManager:
-    """Saves / finds / loads trainer checkpoints under `root`, keeping the last `keep_last`."""
+    """Saves / finds / prunes trainer checkpoints under `root`, keeping this run's last `keep_last`."""
 
-    def __init__(self, root: Path, keep_last: int = 2):
+    def __init__(self, root: Path, keep_last: int = 2, run_id: str | None = None):
         self.root = Path(root)
         self.keep_last = keep_last
+        self.run_id = run_id
+        self._warned_foreign = False
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint (`latest` is only written after the rename)."""
-        marker = self.root / "latest"
-        if not marker.is_file():
+    # ---- reading -------------------------------------------------------------------------------------
+    def read_state(self, path: Path) -> dict | None:
+        """The trainer state of a complete checkpoint directory, or None when `path` is not one."""
+        if not _ITER_RE.fullmatch(path.name) or not path.is_dir():
             return None
-        path = self.root / marker.read_text().strip()
-        if not (path / "trainer_state.json").is_file():
-            raise RuntimeError(f"{marker} points to {path}, which is not a complete checkpoint")
-        return path
+        try:
+            state = json.loads((path / STATE).read_text())
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
 
-    def save(self, step: int, rt, trainer_state: dict) -> Path:
-        """All ranks call. Returns the final path."""
-        from megatron_gspo.checkpoint.model_io import save_model_checkpoint
+    def checkpoints(self) -> list[tuple[Path, dict]]:
+        """Every complete checkpoint under root, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [(p, self.read_state(p)) for p in self.root.iterdir() if _ITER_RE.fullmatch(p.name)]
+        return sorted(((p, s) for p, s in found if s is not None), key=lambda x: x[1]["step"])
 
+    def find_latest(self) -> tuple[Path, dict] | None:
+        """The newest complete checkpoint and its trainer state (None when there is none).
+
+        `latest` names it; when `latest` is missing, damaged or names an incomplete directory, or a complete
+        checkpoint of the same run is newer (a kill between the rename and the `latest` update), the directories
+        themselves decide, with a warning. Every rank finds the same one (they read the same files)."""
+        done = self.checkpoints()
+        marker = self.root / LATEST
+        named = None
+        if marker.is_file():
+            try:
+                named = self.root / marker.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                named = None
+        pointed = next(((p, s) for p, s in done if p == named), None)
+        if pointed is not None:
+            same_run = [(p, s) for p, s in done if s.get("run_id") == pointed[1].get("run_id")]
+            if same_run[-1][1]["step"] > pointed[1]["step"]:
+                log.warning("%s names %s, but %s of the same run is newer and complete: using it", marker,
+                            pointed[0].name, same_run[-1][0].name)
+                return same_run[-1]
+            return pointed
+        if not done:
+            if marker.exists() or (self.root.is_dir() and any(self.root.glob("iter_*"))):
+                log.warning("%s holds no complete checkpoint (only unfinished or damaged ones)", self.root)
+            return None
+        if not marker.exists():
+            why = "is missing"
+        else:
+            why = f"names {named.name if named else 'nothing readable'}, which is not a complete checkpoint"
+        log.warning("%s %s: using the newest complete checkpoint, %s", marker, why, done[-1][0].name)
+        return done[-1]
+
+    # ---- writing (collective) --------------------------------------------------------------------------
+    def save(self, step: int, write_contents: Callable[[Path], None], trainer_state: dict) -> Path:
+        """Writes checkpoint `iter_<step>` (all ranks call): `write_contents(tmp_dir)` runs on every rank, then the
+        protocol above. Raises CheckpointWriteError on every rank when any rank failed, leaving nothing behind."""
         rank = dist.get_rank()
         final = self.root / _ITER.format(step)
-        tmp = self.root / (_ITER.format(step) + ".tmp")
-        if rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+        tmp = self.root / (final.name + ".tmp")
+        state = {**trainer_state, "step": step, "run_id": self.run_id, "world_size": dist.get_world_size()}
+        state_text = json.dumps(state, indent=2, default=_json_default)  # fails early, on every rank
+
+        def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        save_model_checkpoint(rt.models, tmp, rt.model_config, metadata={"step": step})
-        for sub in ("optimizer", "rng"):
-            (tmp / sub).mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {"optimizer": rt.optimizer.state_dict(), "scheduler": rt.scheduler.state_dict()},
-            tmp / "optimizer" / f"rank_{rank:05d}.pt",
-        )
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-        dist.barrier()
-        if rank == 0:
-            (tmp / "trainer_state.json").write_text(
-                json.dumps({**trainer_state, "world_size": dist.get_world_size()}, indent=2, default=_json_default)
-            )
-            if final.exists():
-                shutil.rmtree(final)
+            self._discard(tmp)
+            tmp.mkdir()
+            fsync_path(self.root)
+
+        self._collective(prepare if rank == 0 else None, f"checkpoint {final}: cannot create {tmp}", tmp)
+        try:
+            write_contents(tmp)
+            error = None
+        except (KeyboardInterrupt, SystemExit):
+            if rank == 0:
+                self._discard(tmp)
+            raise
+        except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            error = err
+        self._agree(error, f"checkpoint {final.name} not written", tmp)
+
+        def finish() -> None:
+            with open(tmp / STATE, "w") as fh:
+                fh.write(state_text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            fsync_tree(tmp)
+            if final.exists():  # the same step from an earlier attempt of this run; never another run's
+                owner = (self.read_state(final) or {}).get("run_id", self.run_id)
+                if owner != self.run_id:
+                    raise FileExistsError(f"{final} belongs to another run (run id {owner}): move it away")
+                self._discard(final)
             os.replace(tmp, final)
-            marker_tmp = self.root / "latest.tmp"
-            marker_tmp.write_text(final.name)
-            os.replace(marker_tmp, self.root / "latest")
+            fsync_path(self.root)
+            write_durably(self.root / LATEST, final.name + "\n")
             self._prune()
-        dist.barrier()
+
+        self._collective(finish if rank == 0 else None, f"checkpoint {final.name} not completed", tmp)
         return final
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _collective(self, action: Callable[[], None] | None, what: str, tmp: Path) -> None:
+        """Runs `action` (rank 0 passes one) and makes every rank raise if it failed."""
+        error = None
+        if action is not None:
+            try:
+                action()
+            except (KeyboardInterrupt, SystemExit):
+                self._discard(tmp)
+                raise
+            except BaseException as err:  # noqa: BLE001
+                error = err
+        self._agree(error, what, tmp)
 
-    def load(self, path: Path, rt) -> dict:
-        """Restores model, optimizer, schedule and RNG states; returns the trainer state."""
-        state = json.loads((path / "trainer_state.json").read_text())
-        if state.get("world_size") != dist.get_world_size():
-            raise RuntimeError(
-                f"{path} was written by {state.get('world_size')} ranks but this run has {dist.get_world_size()}: "
-                "optimizer state resumes only in the same layout (load the model alone with model.load=...)"
-            )
-        rank = dist.get_rank()
-        # Model first (master weights follow it), then the optimizer state, which restores the exact fp32 master
-        # weights of a bf16 run (Float16OptimizerWithFloat16Params.load_state_dict copies its saved main params).
-        rt.load_weights(path)
-        opt = torch.load(path / "optimizer" / f"rank_{rank:05d}.pt", weights_only=False)
-        rt.optimizer.load_state_dict(opt["optimizer"])
-        rt.scheduler.load_state_dict(opt["scheduler"])
-        _set_rng_state(torch.load(path / "rng" / f"rank_{rank:05d}.pt", weights_only=False))
-        return state
+    def _agree(self, error: BaseException | None, what: str, tmp: Path) -> None:
+        """Every rank learns which ranks failed; all raise CheckpointWriteError naming them (rank 0 cleans up)."""
+        mine = None if error is None else describe(error)
+        if dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+        if not failed:
+            return
+        cleaned = ""
+        if dist.get_rank() == 0 and tmp.exists():
+            try:
+                self._discard(tmp)
+                cleaned = f" ({tmp.name} removed)"
+            except OSError as err:
+                cleaned = f" (could not remove {tmp}: {err})"
+        where = "; ".join(f"rank {r}: {m}" for r, m in failed[:4])
+        more = f"; and {len(failed) - 4} more ranks" if len(failed) > 4 else ""
+        raise CheckpointWriteError(f"{what}{cleaned}: {where}{more}") from error
+
+    def _discard(self, path: Path) -> None:
+        """Removes a directory by renaming it to *.trash first (atomic), then deleting it."""
+        if not path.exists():
+            return
+        trash = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.trash")
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ---- pruning (rank 0, inside save) -----------------------------------------------------------------
+    def _prune(self) -> None:
+        mine, foreign = [], []
+        for path, state in self.checkpoints():
+            (mine if state.get("run_id") == self.run_id else foreign).append(path)
+        for old in mine[: -self.keep_last]:
+            self._discard(old)
+        for stale in self.root.glob("*.trash"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            log.warning("%s holds %d checkpoint(s) of another run (%s): not pruned", self.root, len(foreign),
+                        ", ".join(p.name for p in foreign[:3]))
 
 
 def _json_default(obj):

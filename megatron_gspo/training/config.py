@@ -22,6 +22,8 @@ from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionC
 from megatron_gspo.data.config import DataConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
 from megatron_gspo.parallel.config import ParallelConfig
+from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.training.health import HealthConfig
 from megatron_gspo.training.optim_config import OptimConfig
 
 
@@ -143,6 +145,9 @@ class TrainerConfig:
     """Write a checkpoint when training ends."""
     progress: bool = True
     """Show a progress bar."""
+    hang_warning_s: float = 600.0
+    """Warn, on each rank, when one phase of a step (generate, update, ...) has run this many seconds: the logs
+    then show where each rank waits and which one is slow (0 disables)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "keep_last"):
@@ -150,6 +155,8 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1")
         if self.ckpt_every < 0:
             raise ValueError(f"trainer.ckpt_every={self.ckpt_every} must be >= 0")
+        if not self.hang_warning_s >= 0:
+            raise ValueError(f"trainer.hang_warning_s={self.hang_warning_s} must be >= 0 (0 disables)")
 
 
 @dataclass
@@ -191,6 +198,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     moe: dict = field(default_factory=dict)
     """MoE options (routing replay, drift measurement); validated by megatron_gspo.moe when used."""
     sglang: dict = field(default_factory=dict)

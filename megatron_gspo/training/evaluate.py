@@ -17,8 +17,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(rt, seed: int, *, temperature: float | None = None, max_prompts: int | None = None) -> dict:
-    """avg@n and pass@k (k in 1, n) over held-out prompts, split over data-parallel ranks."""
+def evaluate(
+    rt,
+    seed: int,
+    *,
+    temperature: float | None = None,
+    max_prompts: int | None = None,
+    scorer: RewardScorer | None = None,
+) -> dict:
+    """avg@n and pass@k (k in 1, n) over held-out prompts, split over data-parallel ranks.
+
+    `scorer`: the reward scorer to use (the trainer shares its worker pool); None makes one for this call."""
     cfg = rt.cfg
     if rt.heldout_data is None:
         return {"eval_accuracy": float("nan")}
@@ -28,14 +37,21 @@ def evaluate(rt, seed: int, *, temperature: float | None = None, max_prompts: in
     local = rt.shard(items) if len(items) % rt.dp.size == 0 else items
     greedy = temperature == 0
     n = 1 if greedy else cfg.eval.n
-    scorer = RewardScorer(cfg.data.reward)
     rollouts = rt.engine.generate(
         [rt.encode_prompt(it.prompt) for it in local], rt.sampling(n, temperature, seed)
     )
     responses = [rt.tokenizer.decode(r.response_ids) for r in rollouts]
     answers = [local[i // n].answer for i in range(len(rollouts))]
     metas = [local[i // n].meta for i in range(len(rollouts))]
-    correct = (scorer.score(responses, answers, metas) > 0.5).view(len(local), n)
+    own = scorer is None
+    if own:
+        scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)
+    try:
+        rewards = scorer.score(responses, answers, metas)
+    finally:
+        if own:
+            scorer.close()
+    correct = (rewards > 0.5).view(len(local), n)
     counts = correct.sum(-1).tolist()
     gathered = rt.gather_objects(counts)
     if len(items) % rt.dp.size == 0:

@@ -100,7 +100,8 @@ class _Bar:
 class MetricsLogger:
     """Writes metrics.jsonl (one line per step), eval.jsonl, tensorboard events and summary.json (rank 0)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, append: bool = False):
+    def __init__(self, run_dir: Path, enabled: bool, append: bool = False, purge_step: int | None = None):
+        """`purge_step`: a resumed run's first step; tensorboard hides the older events from that step on."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.tb = None
@@ -113,7 +114,7 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
         except Exception:  # noqa: BLE001 - tensorboard is optional at run time
             self.tb = None
 

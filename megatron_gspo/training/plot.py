@@ -16,10 +16,22 @@ PANELS = (
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a jsonl file ([] when absent)."""
+    """Rows of a jsonl file ([] when absent); a row that is not a JSON object with a `step` is a ValueError naming
+    the file and line."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{path}:{number}: not a JSON row ({err}); fix or delete that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number}: a row needs an integer 'step'; fix or delete that line")
+        rows.append(row)
+    return rows
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:

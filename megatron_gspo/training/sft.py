@@ -12,6 +12,7 @@ import time
 import torch
 
 from megatron_gspo.data.dataset import PromptSampler
+from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import model_forward, token_logprobs_from_logits
 from megatron_gspo.training.config import RunConfig
 from megatron_gspo.training.engine import forward_backward
@@ -66,8 +67,9 @@ def sft_runtime(cfg: RunConfig) -> Runtime:
 def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
     """Trains until held-out greedy accuracy >= sft.target_accuracy (or sft.max_steps); saves the model."""
     rt = sft_runtime(cfg)
+    scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)  # one worker pool for every held-out check
     try:
-        result = sft_loop(rt)
+        result = sft_loop(rt, scorer)
         if out_dir:
             from megatron_gspo.checkpoint.model_io import save_model_checkpoint
 
@@ -75,10 +77,11 @@ def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
             log.info("SFT model saved to %s", out_dir)
         return result
     finally:
+        scorer.close()
         rt.close()
 
 
-def sft_loop(rt: Runtime) -> dict:
+def sft_loop(rt: Runtime, scorer: RewardScorer | None = None) -> dict:
     """The SFT steps on an existing Runtime; returns {sft_steps, sft_accuracy, sft_seconds}."""
     cfg, s = rt.cfg, rt.cfg.sft
     sampler = PromptSampler(rt.train_data, s.batch_size, seed=cfg.data.seed + 17)
@@ -95,7 +98,7 @@ def sft_loop(rt: Runtime) -> dict:
             rt.scheduler.step(increment=1)
         if step % s.eval_every == 0 or step == s.max_steps:
             rt.engine.update_weights(rt.models, step)
-            acc = evaluate(rt, seed=step, temperature=0.0, max_prompts=s.eval_prompts)["eval_accuracy"]
+            acc = evaluate(rt, seed=step, temperature=0.0, max_prompts=s.eval_prompts, scorer=scorer)["eval_accuracy"]
             log.info("sft step %d: held-out greedy accuracy %.3f", step, acc)
             if s.target_accuracy and acc >= s.target_accuracy:
                 break

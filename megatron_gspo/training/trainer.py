@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from megatron_gspo.algorithms import (
     combine_metrics,
@@ -20,8 +21,9 @@ from megatron_gspo.algorithms import (
     rollout_correction,
 )
 from megatron_gspo.data.dataset import PromptSampler
-from megatron_gspo.moe import MoEConfig
 from megatron_gspo.data.types import PromptItem
+from megatron_gspo.errors import RunFailure, StopRequested
+from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import (
     RolloutBatch,
@@ -32,13 +34,22 @@ from megatron_gspo.training.batch import (
     policy_units,
     token_logprobs_from_logits,
 )
-from megatron_gspo.training.checkpoint import CheckpointManager
+from megatron_gspo.training.checkpoint import CheckpointManager, new_run_id
+from megatron_gspo.training.checkpoint_contents import (
+    RUN_CONFIG,
+    load_trainer_contents,
+    write_trainer_contents,
+)
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
+from megatron_gspo.training.health import HealthMonitor
 from megatron_gspo.training.metrics_log import MetricsLogger, reduce_step_metrics
 from megatron_gspo.training.routing import RoutingControl, drift_sample
+from megatron_gspo.training.run_dir import check_new_run_dir, check_resume_config, check_resume_dir, trim_log
 from megatron_gspo.training.runtime import Runtime
+from megatron_gspo.training.signals import StopSignals
+from megatron_gspo.training.watchdog import PhaseWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,10 @@ class GSPOTrainer:
     def __init__(self, cfg: RunConfig, *, resume: bool = False):
         self.cfg = cfg
         t = cfg.trainer
+        self.run_dir = Path(t.run_dir)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=t.keep_last, run_id=new_run_id())
+        # Before any expensive set-up: a run directory or a resume that is refused costs nothing.
+        resume_point = self._resume_point(resume)
         total_optimizer_steps = t.steps * t.minibatches
         self.moe = MoEConfig.from_dict(cfg.moe)
         self.rt = Runtime(cfg, cfg.optim, total_optimizer_steps, routing_replay=self.moe.needs_router_replay)
@@ -67,19 +82,22 @@ class GSPOTrainer:
                 f"minibatches of whole micro-batches (trainer.micro_batch_size={t.micro_batch_size})"
             )
         self.policy_loss = make_policy_loss(cfg.loss)
-        self.scorer = RewardScorer(cfg.data.reward)
+        self.scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)
         self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
-        self.run_dir = Path(t.run_dir)
         self.step = 0
         self.history: list[dict] = []
         self.summary: dict = {}
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=t.keep_last)
+        self.stop_signals = StopSignals()
+        self.health = HealthMonitor(cfg.health, lr=cfg.optim.lr)
+        self.watchdog = PhaseWatchdog(t.hang_warning_s, rank=self.rt.env.rank, timeout_s=cfg.parallel.timeout_s)
         if self.rt.is_logging_rank:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_run_config(cfg, self.run_dir / "config.yaml")
         if resume:
-            self._resume()
-        self.logger = MetricsLogger(self.run_dir, enabled=self.rt.is_logging_rank, append=resume)
+            self._resume(resume_point)
+        self.logger = MetricsLogger(
+            self.run_dir, enabled=self.rt.is_logging_rank, append=resume, purge_step=self.step + 1 if resume else None
+        )
 
     # ---- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -91,15 +109,47 @@ class GSPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state.get("summary", {}))
 
-    def _resume(self) -> None:
-        path = self.ckpt.latest()
-        if path is None:
+    # ---- resume (run directory checks, config compatibility, logs) -------------------------------------
+    def _resume_point(self, resume: bool) -> tuple[Path, dict] | None:
+        """The checkpoint a resumed run continues from (None: none yet), after checking that this config may
+        continue it; a new run instead refuses a directory that already holds a run. Raises ValueError."""
+        if not resume:
+            check_new_run_dir(self.run_dir)
+            return None
+        check_resume_dir(self.run_dir)
+        found = self.ckpt.find_latest()
+        if found is None:
+            return None
+        path, state = found
+        saved = path / RUN_CONFIG
+        if saved.is_file():
+            for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"]):
+                log.info("resume: %s", change)
+        else:
+            log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
+        return path, state
+
+    def _resume(self, point: tuple[Path, dict] | None) -> None:
+        """Continues from `point`: weights, optimizer, RNG and loop state; the logs are cut back to its step."""
+        if point is None:
             log.info("no checkpoint under %s: starting from scratch", self.ckpt.root)
-            return
-        state = self.ckpt.load(path, self.rt)
-        self.load_state_dict(state)
-        self.rt.engine.update_weights(self.rt.models, self.step)
-        log.info("resumed from %s at step %d", path, self.step)
+        else:
+            path, state = point
+            if state.get("world_size") != dist.get_world_size():
+                raise ValueError(
+                    f"{path} was written by {state.get('world_size')} ranks but this run has {dist.get_world_size()}: "
+                    f"optimizer state resumes only in the same layout (start a new run with model.load={path})"
+                )
+            self.ckpt.run_id = state.get("run_id")
+            load_trainer_contents(path, self.rt)
+            self.load_state_dict(state)
+            self.rt.engine.update_weights(self.rt.models, self.step)
+            log.info("resumed from %s at step %d", path, self.step)
+        if self.rt.is_logging_rank:
+            # Rows after the checkpoint belong to steps this run does again; a partial last line is dropped.
+            last = self.step if point is not None else -1
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                trim_log(self.run_dir / name, last)
 
     # ---- phases -----------------------------------------------------------------------------------------
     def generate(self, items: list[PromptItem], seed: int):
@@ -331,15 +381,67 @@ class GSPOTrainer:
 
     def evaluate(self) -> dict:
         """Held-out avg@n / pass@k with the current weights."""
-        return evaluate(self.rt, seed=self.cfg.trainer.seed + 1_000_003 * (self.step + 1))
+        self.watchdog.mark("evaluate")
+        return evaluate(
+            self.rt, seed=self.cfg.trainer.seed + 1_000_003 * (self.step + 1), scorer=self.scorer.sharing()
+        )
 
-    def checkpoint(self) -> None:
-        self.ckpt.save(self.step, self.rt, self.state_dict())
+    def checkpoint(self) -> Path:
+        """Writes checkpoint iter_<step> (atomic; training/checkpoint.py) and returns its path."""
+        self.watchdog.mark("checkpoint")
+        config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+        return self.ckpt.save(
+            self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), self.state_dict()
+        )
+
+    # ---- step boundary: stop signals, failing rewards, health ------------------------------------------
+    def _step_boundary(self, batch: RolloutBatch, updates: list[dict], metrics: dict) -> tuple[str | None, str | None]:
+        """What every rank must agree on after a step, in one collective: whether any rank received a stop signal,
+        the step's reward failures (all ranks and top-up rounds) and whether any rank's batch had learning signal.
+        Adds `reward_error_frac` and `health_*` to `metrics`; returns (stop signal name, failure message)."""
+        self.watchdog.mark("step_boundary")
+        calls, errors, first_error = self.scorer.take_window()
+        received = self.stop_signals.received
+        local = [
+            float(calls),
+            float(errors),
+            float(bool((batch.advantages_N != 0).any())),
+            float(received == "SIGTERM"),
+            float(received is not None and received != "SIGTERM"),
+        ]
+        flags = torch.tensor(local, dtype=torch.float64, device=self.rt.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        calls, errors, ranks_with_signal, sigterm, other = flags.tolist()
+        metrics["reward_error_frac"] = errors / calls if calls else 0.0
+        grad_norms = [u["grad_norm"] for u in updates]
+        metrics.update(self.health.observe(self.step, grad_norms, ranks_with_signal > 0, metrics.get("reward_mean", 0.0)))
+        failure = self.health.failure
+        if calls and errors / calls >= self.cfg.scoring.max_error_frac:
+            first = next((m for m in self.rt.gather_objects(first_error) if m), "on another rank")
+            failure = (
+                f"step {self.step}: {errors:.0f} of {calls:.0f} reward calls failed (scoring.max_error_frac="
+                f"{self.cfg.scoring.max_error_frac:g}); the first: {first}"
+            )
+        stop = "SIGTERM" if sigterm else ("SIGUSR1" if other else None)
+        return stop, failure
+
+    def _stop(self, signal_name: str, wall_seconds: float) -> None:
+        """Honours a stop signal after the step every rank finished: checkpoint, then StopRequested."""
+        self.summary["wall_seconds"] = wall_seconds
+        path = self.checkpoint()
+        raise StopRequested(
+            f"stopped by {signal_name} after step {self.step} of {self.cfg.trainer.steps}: checkpoint {path} "
+            "written; continue with --resume",
+            signal_name,
+            self.step,
+        )
 
     # ---- loop -------------------------------------------------------------------------------------------
     def train(self) -> dict:
         """Runs until trainer.steps; returns the summary written to summary.json."""
         t, start_time = self.cfg.trainer, time.time()
+        self.stop_signals.install()
         if "eval_accuracy_before" not in self.summary:
             before = self.evaluate()
             self.summary["eval_accuracy_before"] = before["eval_accuracy"]
@@ -350,24 +452,35 @@ class GSPOTrainer:
         while self.step < t.steps:
             times = {}
             t0 = time.time()
+            self.watchdog.mark("generate")
             batch, rollout_stats = self.collect(step_seed=t.seed * 1_000_003 + self.step)
             times["time_generate"] = time.time() - t0
             self._colocated_memory("release")
             t0 = time.time()
+            self.watchdog.mark("old_logprobs")
             mismatch = self.old_logprobs(batch)
             times["time_old_logprobs"] = time.time() - t0
             t0 = time.time()
+            self.watchdog.mark("update")
             updates = self.update(batch)
             times["time_update"] = time.time() - t0
             self.step += 1
             t0 = time.time()
+            self.watchdog.mark("sync_weights")
             self._colocated_memory("resume")
             self.sync_weights()
             times["time_sync"] = time.time() - t0
+            self.watchdog.mark("metrics")
             step_metrics = reduce_step_metrics(self.rt, rollout_stats, updates, mismatch, times, batch)
+            stop, failure = self._step_boundary(batch, updates, step_metrics)
             self.logger.log_step(self.step, step_metrics)
             self.history.append(step_metrics)
             bar.update(step_metrics)
+            if failure is not None:
+                raise RunFailure(failure)
+            if stop is not None:
+                bar.close()
+                self._stop(stop, wall_before + time.time() - start_time)
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < t.steps:
                 self.logger.log_eval(self.step, self.evaluate())
             if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
@@ -385,6 +498,7 @@ class GSPOTrainer:
         )
         if t.save_final:
             self.checkpoint()
+        self.watchdog.mark(None)
         self.logger.write_summary(self.summary)
         log.info(
             "held-out accuracy: before %.3f -> after %.3f (%d steps, %.0f s)",
@@ -393,6 +507,9 @@ class GSPOTrainer:
         return self.summary
 
     def close(self) -> None:
+        self.stop_signals.restore()
+        self.watchdog.close()
+        self.scorer.close()
         self.logger.close()
         self.routing.close()
         self.rt.close()

@@ -11,3 +11,20 @@ def fails_on_odd_answers(response: str, answer: str, meta: dict) -> float:
     if int(answer[-1]) % 2:
         raise ValueError("odd answer")
     return 1.0 if "1" in response else 0.0
+
+
+def always_fails(response: str, answer: str, meta: dict) -> float:
+    raise RuntimeError("the grader is down")
+
+
+def exits(response: str, answer: str, meta: dict) -> float:
+    import sys
+
+    sys.exit(3)
+
+
+def hangs(response: str, answer: str, meta: dict) -> float:
+    import time
+
+    time.sleep(600)
+    return 1.0

@@ -34,6 +34,13 @@ def test_roundtrip_through_yaml(tmp_path):
         ("parallel.ep=0", r"parallel\.ep=0"),
         ("model.dtype=fp8", r"model\.dtype='fp8'"),
         ("trainer.steps", r"must look like key\.sub=value"),
+        ("optim.lr=1e38", r"optim\.lr=1e\+38 overflows float32 in Adam's first step"),
+        ("optim.lr=.nan", r"optim\.lr=nan must be a finite number > 0"),
+        ("scoring.timeout_s=0", r"scoring\.timeout_s=0"),
+        ("scoring.workers=-1", r"scoring\.workers=-1"),
+        ("health.zero_grad_window=0", r"health\.zero_grad_window=0"),
+        ("parallel.timeout_s=0", r"parallel\.timeout_s=0"),
+        ("trainer.hang_warning_s=-1", r"trainer\.hang_warning_s=-1"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

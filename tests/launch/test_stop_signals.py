@@ -1,0 +1,164 @@
+"""launch/: stop signals and requeue. Real (non-dry) runs against stubs: `srun` runs the tasks locally and passes
+signals on (as Slurm's does), `python` plays torchrun with one worker that records the signals it gets and exits
+75 (the trainer's "stopped with a checkpoint"), `scontrol` records requeue requests."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch.test_scripts import FOUR_NODES, LAUNCH, SCONTROL
+
+SRUN = f"""#!{sys.executable}
+import os, signal, subprocess, sys
+args, opts = sys.argv[1:], {{}}
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0)[2:].partition("=")
+    opts[key] = value
+current = []
+def forward(sig, frame):  # srun hands the signals it receives to its tasks
+    for p in current:
+        if p.poll() is None:
+            p.send_signal(sig)
+signal.signal(signal.SIGUSR1, forward)
+signal.signal(signal.SIGTERM, forward)
+nodes = int(opts.get("nodes", 1))
+ntasks = int(opts.get("ntasks", nodes))
+per_node = int(opts.get("ntasks-per-node", 1))
+for task in range(ntasks):  # the tasks run side by side, as under Slurm
+    env = dict(os.environ, SLURM_NODEID=str(task // per_node), SLURM_PROCID=str(task),
+               SLURM_LOCALID=str(task % per_node), SLURM_NTASKS=str(ntasks))
+    current.append(subprocess.Popen(args, env=env))
+sys.exit(max(p.wait() for p in current))
+"""
+
+WORKER = """#!/bin/bash
+# A training rank: stops "after the step" on USR1 / TERM with exit 75.
+RANK_TAG="${RANK_TAG:-${SLURM_PROCID:-0}}"
+trap 'echo "worker $RANK_TAG got USR1" >> "$LOG"; exit 75' USR1
+trap 'echo "worker $RANK_TAG got TERM" >> "$LOG"; exit 75' TERM
+echo "worker $RANK_TAG started" >> "$LOG"
+while :; do sleep 0.05; done
+"""
+
+TORCHRUN = """#!/bin/bash
+# Plays `python -m torch.distributed.run ...`: one worker; a failed worker fails torchrun (exit 1).
+echo "launcher $*" >> "$LOG"
+trap 'echo "launcher got USR1" >> "$LOG"' USR1
+trap 'echo "launcher got TERM" >> "$LOG"' TERM
+RANK_TAG="${SLURM_PROCID:-0}" "$WORKER" &
+pid=$!
+status=0
+wait "$pid" || status=$?
+while (( status > 128 )) && kill -0 "$pid" 2>/dev/null; do status=0; wait "$pid" || status=$?; done
+(( status == 0 )) || exit 1
+"""
+
+
+@pytest.fixture()
+def job(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "events.log"
+    log.touch()
+    scontrol = SCONTROL.replace(
+        'if sys.argv[1:3] != ["show", "hostnames"]',
+        'import os\nif sys.argv[1:2] == ["requeue"]:\n    open(os.environ["LOG"], "a").write("scontrol " + " ".join(sys.argv[1:]) + "\\n")\n'
+        '    sys.exit(0)\nif sys.argv[1:3] != ["show", "hostnames"]',
+    )
+    for name, text in {"scontrol": scontrol, "srun": SRUN, "worker": WORKER, "python-torchrun": TORCHRUN}.items():
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "PYTHON": str(bindir / "python-torchrun"),
+        "WORKER": str(bindir / "worker"),
+        "LOG": str(log),
+        "CONFIG": "c.yaml",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_NNODES": "1",
+        "SLURM_GPUS_ON_NODE": "2",
+    }
+
+    def start(**extra):
+        proc = subprocess.Popen(["bash", str(LAUNCH / "train.sbatch")], cwd=tmp_path, env={**env, **extra},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        ranks = 2 if extra.get("LAUNCHER") == "srun" else 1
+        while log.read_text().count("started") < ranks:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        return proc
+
+    return start, log
+
+
+def _finish(proc) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_usr1_before_the_time_limit_stops_the_ranks_and_requeues(job, launcher):
+    start, log = job
+    # LAUNCHER=srun: the task's python is the rank itself.
+    proc = start(LAUNCHER=launcher, **({"PYTHON": "worker"} if launcher == "srun" else {}))
+    proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@600` sends the batch script
+    status, out = _finish(proc)
+    events = log.read_text().splitlines()
+    assert status == 75, out
+    assert "worker 0 got USR1" in events
+    assert launcher == "torchrun" or "worker 1 got USR1" in events  # one task per GPU: both ranks
+    assert "launcher got USR1" not in events and "launcher got TERM" not in events  # torchrun is left alone
+    assert "scontrol requeue 7" in events
+    assert "requeueing job 7" in out
+
+
+def test_sigterm_stops_the_ranks_without_a_requeue(job):
+    start, log = job
+    proc = start()
+    proc.send_signal(signal.SIGTERM)  # scancel
+    status, out = _finish(proc)
+    events = log.read_text().splitlines()
+    assert status == 75 and "worker 0 got TERM" in events, out
+    assert not any(e.startswith("scontrol") for e in events)
+
+
+def test_sft_rides_out_usr1_and_stops_on_sigterm(job):
+    start, log = job
+    proc = start(MG_SUBCOMMAND="sft")
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    assert proc.poll() is None  # SFT cannot resume: it keeps going
+    proc.send_signal(signal.SIGTERM)
+    status, out = _finish(proc)
+    events = log.read_text().splitlines()
+    assert "ignoring SIGUSR1" in out and "worker 0 got USR1" not in events
+    assert "worker 0 got TERM" in events and not any(e.startswith("scontrol") for e in events)
+
+
+def test_a_requeued_job_resumes(tmp_path):
+    from tests.launch.test_scripts import DryRun
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DRY_RUN": "1", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "CONFIG": "c.yaml", **FOUR_NODES, "SLURM_JOB_NODELIST": "a", "SLURM_NNODES": "1",
+           "FAKE_HOSTNAMES": "a"}
+    for sub, restarts, expected in (("train", "1", True), ("train", "0", False), ("sft", "2", False)):
+        proc = subprocess.run(["bash", str(LAUNCH / "train.sbatch")], cwd=tmp_path, capture_output=True, text=True,
+                              env={**env, "SLURM_RESTART_COUNT": restarts, "MG_SUBCOMMAND": sub}, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        (cmd,) = DryRun(proc).find("torch.distributed.run")
+        assert ("--resume" in cmd) is expected, (sub, restarts, cmd)
+
+
+def test_the_job_asks_for_the_early_signal_and_is_requeueable():
+    header = [line for line in Path(LAUNCH / "train.sbatch").read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --signal=B:USR1@600" in header and "#SBATCH --requeue" in header

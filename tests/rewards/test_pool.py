@@ -1,0 +1,117 @@
+"""Reward calls in worker processes (rewards/pool.py): per-call timeouts, crashes and sys.exit become counted
+errors, and the rest of the batch is scored as usual."""
+
+import logging
+import os
+
+import pytest
+
+from megatron_gspo.rewards import RewardScorer
+from megatron_gspo.rewards.config import ScoringConfig
+from tests.rewards import misbehaving
+
+FAST = ScoringConfig(workers=2, timeout_s=0.5)
+
+
+def _scored(fn, responses, scoring=FAST, answers=None):
+    scorer = RewardScorer(fn, scoring=scoring)
+    try:
+        rewards = scorer.score(responses, answers or responses, None)
+        return rewards.tolist(), scorer.take_window(), scorer
+    finally:
+        scorer.close()
+
+
+def test_a_hanging_call_times_out_and_the_rest_is_scored(caplog):
+    responses = ["1", "hang1", "2", "3", "hang2", "4", "5"]
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo.rewards.registry"):
+        rewards, (calls, errors, first), scorer = _scored(misbehaving.sleepy, responses, answers=responses)
+    assert rewards == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert (calls, errors) == (7, 2) and scorer.num_errors == 2
+    assert "timed out after 0.5 s" in first and "'hang1'" in first
+    assert scorer.pool.timeouts == 2 and scorer.pool.restarts == 2
+    assert any("timed out after 0.5 s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_pure_python_loop_times_out():
+    rewards, (calls, errors, first), _ = _scored(misbehaving.spins, ["a", "loop", "b"])
+    assert rewards == [1.0, 0.0, 1.0] and errors == 1 and "timed out" in first
+
+
+def test_sys_exit_and_a_dying_worker_are_errors_not_the_end_of_the_run():
+    rewards, (_, errors, first), _ = _scored(misbehaving.exits, ["a", "exit", "b"])
+    assert rewards == [1.0, 0.0, 1.0] and errors == 1 and "called sys.exit(3)" in first
+    rewards, (_, errors, first), _ = _scored(misbehaving.dies, ["a", "die", "b", "c"])
+    assert rewards == [1.0, 0.0, 1.0, 1.0] and errors == 1 and "exit code 9" in first
+
+
+def test_sys_exit_in_process_is_an_error_too():
+    rewards, (_, errors, first), _ = _scored(misbehaving.exits, ["exit", "a"], scoring=None)
+    assert rewards == [0.0, 1.0] and "called sys.exit(3)" in first
+
+
+def test_a_string_is_not_a_reward():
+    rewards, (_, errors, first), _ = _scored(misbehaving.stringly, ["a", "b"], scoring=None)
+    assert rewards == [0.0, 0.0] and errors == 2 and "returned str '1.0', not a number" in first
+
+
+def test_a_wrong_signature_is_refused_before_scoring():
+    with pytest.raises(ValueError, match=r"signature \(response\).*fn\(response, answer, meta\)"):
+        RewardScorer(misbehaving.one_argument, scoring=FAST)
+
+
+def test_calls_run_in_workers_and_results_keep_their_order():
+    scorer = RewardScorer(misbehaving.pid, scoring=ScoringConfig(workers=2, timeout_s=30))
+    try:
+        pids = scorer.score([str(i) for i in range(40)], ["x"] * 40).tolist()
+        assert os.getpid() not in pids and 1 <= len(set(pids)) <= 2
+        assert RewardScorer(misbehaving.sleepy, scoring=None).pool is None
+        echo = RewardScorer("exact_match", scoring=ScoringConfig(workers=3, timeout_s=30))
+        try:
+            answers = [str(i % 5) for i in range(50)]
+            assert echo.score([str(i % 7) for i in range(50)], answers).tolist() == [
+                float(str(i % 7) == str(i % 5)) for i in range(50)
+            ]
+        finally:
+            echo.close()
+    finally:
+        scorer.close()
+
+
+def test_a_closure_runs_in_process_with_a_warning(caplog):
+    offset = 1.0
+
+    def closure(response, answer, meta):
+        return float(os.getpid()) + offset
+
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo.rewards.registry"):
+        scorer = RewardScorer(closure, scoring=FAST)
+    assert scorer.pool is None and "cannot be sent to a worker process" in caplog.text
+    assert scorer.score(["a"], ["a"]).tolist() == [float(os.getpid()) + 1.0]
+
+
+def test_sharing_keeps_the_pool_and_separate_counts():
+    scorer = RewardScorer(misbehaving.stringly, scoring=ScoringConfig(workers=1, timeout_s=30))
+    try:
+        other = scorer.sharing()
+        assert other.pool is scorer.pool
+        other.score(["a"], ["a"])
+        assert scorer.take_window() == (0, 0, None) and other.take_window()[:2] == (1, 1)
+        other.close()  # not its pool: still usable
+        assert scorer.score(["a"], ["a"]).tolist() == [0.0]
+    finally:
+        scorer.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(workers=-1), r"scoring\.workers=-1"),
+        (dict(timeout_s=0), r"scoring\.timeout_s=0"),
+        (dict(max_error_frac=0), r"scoring\.max_error_frac=0"),
+        (dict(max_error_frac=1.5), r"scoring\.max_error_frac=1\.5"),
+    ],
+)
+def test_scoring_config_names_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ScoringConfig(**kwargs)

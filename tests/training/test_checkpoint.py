@@ -1,0 +1,148 @@
+"""The checkpoint protocol (training/checkpoint.py): durable before it is visible, nothing left by a failed write,
+the newest complete checkpoint found without `latest`, only the run's own checkpoints pruned."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.training.checkpoint_ranks import disk_full_on_one_rank, save_events
+from tests.training.test_end_to_end import MINI, ROOT, _env
+
+
+def test_files_and_directories_are_fsynced_before_the_rename_and_before_latest(tmp_path):
+    out = run_distributed(save_events, str(tmp_path / "run"), world_size=1)[0]
+    final = Path(out["path"])
+    root = final.parent
+    tmp = str(final) + ".tmp"
+    events = out["events"]
+    (rename,) = [i for i, e in enumerate(events) if e == ("replace", tmp, str(final))]
+    synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    for entry in out["entries"]:  # every file and directory of the checkpoint, under its temporary name
+        assert f"{tmp}/{entry}" in synced_before, entry
+    assert tmp in synced_before
+    (pointer,) = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(root / "latest")]
+    assert rename < pointer
+    assert ("fsync", str(root)) in events[rename:pointer]  # the rename is durable before latest names it
+    assert ("fsync", str(root / "latest.tmp")) in events[rename:pointer]
+    assert events[pointer + 1 :].count(("fsync", str(root))) >= 1
+    assert (root / "latest").read_text().strip() == final.name
+
+
+TP2 = ("parallel.tp=2", "parallel.sequence_parallel=true")  # so that rank 1 owns model shards (DCP files)
+
+
+@pytest.mark.parametrize(
+    "fragment, rank_full, extra",
+    [("optimizer", 1, ()), (".distcp", 1, TP2), ("trainer_state", 0, ())],
+    ids=["torch.save", "dist_checkpointing", "rank0-json"],
+)
+def test_a_full_disk_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, fragment, rank_full, extra):
+    outs = run_distributed(disk_full_on_one_rank, str(tmp_path / "run"), fragment, rank_full, extra, world_size=2)
+    for out in outs:
+        assert out["error"] is not None and "No space left on device" in out["error"], out["error"]
+        assert out["error"].startswith("checkpoint iter_0000002 not")
+        assert "\n" not in out["error"]
+        assert out["entries"] == ["iter_0000001", "latest"]  # no .tmp, no .trash
+        assert out["latest"] == "iter_0000001" and out["state"] == 1
+
+
+def _state(path: Path, step: int, run_id: str) -> None:
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step, "run_id": run_id, "world_size": 1}))
+
+
+def test_the_newest_complete_checkpoint_is_found_without_latest(tmp_path, caplog):
+    from megatron_gspo.training.checkpoint import CheckpointManager
+
+    root = tmp_path / "checkpoints"
+    _state(root / "iter_0000002", 2, "a")
+    _state(root / "iter_0000004", 4, "a")
+    (root / "iter_0000006").mkdir()  # never completed (no trainer_state.json)
+    (root / "iter_0000008.tmp").mkdir()
+    _state(root / "iter_0000005.tmp", 5, "a")
+    manager = CheckpointManager(root)
+    assert manager.find_latest()[0].name == "iter_0000004"  # latest missing
+    assert "is missing: using the newest complete checkpoint, iter_0000004" in caplog.text
+    (root / "latest").write_text("iter_0000006\n")
+    assert manager.find_latest()[0].name == "iter_0000004"  # latest names an incomplete one
+    (root / "latest").write_bytes(b"\xff\xfe")
+    assert manager.find_latest()[0].name == "iter_0000004"  # latest is garbage
+    (root / "latest").write_text("iter_0000002\n")
+    assert manager.find_latest()[0].name == "iter_0000004"  # killed between the rename and the latest update
+    _state(root / "iter_0000009", 9, "b")  # another run's: newer, but latest names this run's
+    assert manager.find_latest()[0].name == "iter_0000004"
+    assert CheckpointManager(tmp_path / "nothing").find_latest() is None
+
+
+def test_resume_without_latest_continues_and_prunes_only_its_own_checkpoints(tmp_path):
+    """18.3: the pointer gone, --resume continued from step 0 and keep-last pruning deleted both checkpoints."""
+    run = tmp_path / "run"
+    steps = ["trainer.steps=2", "trainer.ckpt_every=1", "trainer.keep_last=1", "trainer.save_final=false"]
+    _cli(["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI, f"trainer.run_dir={run}", *steps])
+    ckpts = run / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["iter_0000001", "latest"]
+    (ckpts / "latest").unlink()
+    foreign = ckpts / "iter_0000000"
+    _state(foreign, 0, "someone-else")
+    res = _cli(["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI, f"trainer.run_dir={run}", *steps,
+                "trainer.steps=3", "--resume"])
+    assert "using the newest complete checkpoint, iter_0000001" in res.stderr
+    assert "resumed from" in res.stderr and "at step 1" in res.stderr
+    rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3]
+    assert sorted(os.listdir(ckpts)) == ["iter_0000000", "iter_0000002", "latest"]  # the foreign one stays
+    assert foreign.is_dir() and "not pruned" in res.stderr
+
+
+def _cli(args, ok=True, wrapper=()):
+    cmd = [sys.executable, "-m", *(wrapper or ["megatron_gspo.cli.main"]), *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    if ok:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    res = _cli(["iter_0000002.tmp/optimizer", "--", "train", "--config", "examples/tiny_moe_gspo.yaml", *MINI,
+                f"trainer.run_dir={run}", "trainer.ckpt_every=1"], ok=False, wrapper=["tests.training.full_disk"])
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-gspo: error: checkpoint iter_0000002 not written (iter_0000002.tmp removed)")
+    assert "No space left on device" in last and "Traceback" not in res.stderr
+    assert sorted(os.listdir(run / "checkpoints")) == ["iter_0000001", "latest"]
+
+
+def _fake_save(root: str) -> dict:
+    """Saves through CheckpointManager with a trivial writer: replaces this run's own step, never another run's."""
+    from megatron_gspo.parallel import initialize
+    from megatron_gspo.parallel.config import ParallelConfig
+    from megatron_gspo.training.checkpoint import CheckpointManager, CheckpointWriteError
+
+    initialize(ParallelConfig())
+    manager = CheckpointManager(Path(root), keep_last=5, run_id="mine")
+
+    def write(tmp):
+        (tmp / "data.txt").write_text("new")
+
+    manager.save(3, write, {"step": 3})
+    manager.save(3, write, {"step": 3})  # again: replaced
+    _state(Path(root) / "iter_0000004", 4, "theirs")
+    try:
+        manager.save(4, write, {"step": 4})
+        error = None
+    except CheckpointWriteError as err:
+        error = str(err)
+    return dict(error=error, entries=sorted(os.listdir(root)))
+
+
+def test_a_save_replaces_its_own_step_but_never_another_runs(tmp_path):
+    out = run_distributed(_fake_save, str(tmp_path / "c"), world_size=1)[0]
+    assert "belongs to another run (run id theirs): move it away" in out["error"]
+    assert out["entries"] == ["iter_0000003", "iter_0000004", "latest"]
+    assert json.loads((tmp_path / "c" / "iter_0000004" / "trainer_state.json").read_text())["run_id"] == "theirs"
