@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo lint clean bench-env bench-vs-trl
 
 install: $(STAMP)
 
@@ -15,6 +15,16 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m megatron_gspo.cli.main demo
+
+# The TRL baseline of tools/bench_vs_trl.py lives in its own environment (.bench-env, ignored); not part of `test`.
+bench-env: .bench-env/.installed
+
+.bench-env/.installed: tools/bench_env.sh
+	bash tools/bench_env.sh
+	touch $@
+
+bench-vs-trl: $(STAMP) bench-env
+	$(PY) tools/bench_vs_trl.py
 
 lint: $(STAMP)
 	$(PY) -m pip install -q -e ".[lint]"
