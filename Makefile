@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install rollout-env test demo lint clean
+.PHONY: install rollout-env test demo lint clean bench-env bench-vs-trl
 
 install: $(STAMP)
 
@@ -24,6 +24,16 @@ test: $(STAMP) $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m megatron_gspo.cli.main demo --overwrite
+
+# The TRL baseline of tools/bench_vs_trl.py lives in its own environment (.bench-env, ignored); not part of `test`.
+bench-env: .bench-env/.installed
+
+.bench-env/.installed: tools/bench_env.sh
+	bash tools/bench_env.sh
+	touch $@
+
+bench-vs-trl: $(STAMP) bench-env
+	$(PY) tools/bench_vs_trl.py
 
 lint: $(STAMP)
 	$(PY) -m pip install -q -e ".[lint]"

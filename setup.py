@@ -16,7 +16,8 @@ setup(
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",
-        "triton>=3.3",
+        # triton.knobs (the kernels' interpreter switch) first ships in 3.4.0: kernels/triton_version.py.
+        "triton>=3.4",
         "numpy",
         "packaging",
         "transformers>=5.0",

@@ -6,14 +6,17 @@ Every variant runs in its own fresh subprocess, so each peak-memory number belon
 - CUDA: `torch.cuda.max_memory_allocated()`; "working" = peak minus the inputs.
 All variants start from the same hidden [N, H] and LM-head weight [V, H] and produce d hidden and d weight.
 
-Variants:
-  fused         linear_sequence_logprobs (torch backend on CPU, triton on CUDA): chunked, never [N, V]
-  logits_triton hidden @ weight.T materialised, then sequence_logprobs (triton)
+Variants (the kernels' backend is triton on CUDA, torch on CPU):
+  fused         linear_sequence_logprobs: chunked, never [N, V]
+  logits        hidden @ weight.T materialised, then sequence_logprobs; its backward writes d logits over the
+                logits (in place: one [N, V] buffer)
+  logits_copy   the same with inplace_backward=False: d logits in a second [N, V] buffer (the behaviour before
+                the in-place backward; the baseline of its memory saving)
   naive         log_softmax((hidden @ weight.T).float()) + gather, plain autograd
   megatron      hidden @ weight.T, then megatron-core's vocab_parallel_cross_entropy (TP=1)
 
 Prints a table and ratios measured in the same run; asserts nothing. Usage:
-  python tools/bench_logprob.py                       # CPU: N=4096, H=1024, V=151936, fp32, fused vs naive
+  python tools/bench_logprob.py                       # CPU: N=4096, H=1024, V=151936, fp32
   python tools/bench_logprob.py --device cuda         # GPU: N=32768, H=2048, V=151936, bf16, all variants
 TFLOP/s is quoted against the 8*N*H*V FLOPs of a fused forward + backward (2NHV forward GEMM, 2NHV recompute,
 4NHV for the two gradient GEMMs), whatever each variant really executes.
@@ -29,9 +32,15 @@ import subprocess
 import sys
 import time
 
-CPU_DEFAULTS = dict(tokens=4096, hidden=1024, vocab=151936, dtype="float32", variants="naive,fused")
+CPU_DEFAULTS = dict(
+    tokens=4096, hidden=1024, vocab=151936, dtype="float32", variants="naive,fused,logits,logits_copy"
+)
 GPU_DEFAULTS = dict(
-    tokens=32768, hidden=2048, vocab=151936, dtype="bfloat16", variants="fused,logits_triton,naive,megatron"
+    tokens=32768,
+    hidden=2048,
+    vocab=151936,
+    dtype="bfloat16",
+    variants="fused,logits,logits_copy,naive,megatron",
 )
 
 
@@ -69,8 +78,14 @@ def _variant_fn(name, device):
     backend = "triton" if device == "cuda" else "torch"
     if name == "fused":
         return lambda h, w, t, cu: linear_sequence_logprobs(h, w, t, cu, backend=backend).seq_sum.sum()
-    if name == "logits_triton":
-        return lambda h, w, t, cu: sequence_logprobs(h @ w.t(), t, cu, backend="triton").seq_sum.sum()
+    if name in ("logits", "logits_copy"):
+        inplace = name == "logits"
+
+        def materialised(h, w, t, cu):
+            out = sequence_logprobs(h @ w.t(), t, cu, backend=backend, inplace_backward=inplace)
+            return out.seq_sum.sum()
+
+        return materialised
     if name == "naive":
         return _naive
     if name == "megatron":
@@ -194,7 +209,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--variants", help="comma-separated subset of fused,logits_triton,naive,megatron")
+    parser.add_argument(
+        "--variants", help="comma-separated subset of fused,logits,logits_copy,naive,megatron"
+    )
     parser.add_argument("--iters", type=int, help="timed iterations (default: 1 on CPU, 3 on CUDA)")
     parser.add_argument("--warmup", type=int, default=1, help="full-size warm-up iterations (CUDA only)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

@@ -104,6 +104,7 @@ def sequence_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start_index: int = 0,
     backend: str = "auto",
+    inplace_backward: bool = True,
 ) -> SequenceLogprobs:
     """Per-token and per-sequence log-probs of `targets` under `logits / temperature`.
 
@@ -122,6 +123,10 @@ def sequence_logprobs(
         vocab_start_index: first global vocab id of this rank's shard.
         backend: "triton", "torch" (fp32 torch, memory-lean) or "auto" (triton on CUDA; torch on CPU unless
             TRITON_INTERPRET=1).
+        inplace_backward: the backward writes d logits over `logits` (no second [N, V] buffer) when `logits`
+            is not a leaf tensor, e.g. the LM head's output: its values are gone after the backward, and
+            another autograd user of the same tensor fails loudly (logprob_function.py). False, or leaf
+            logits: a new buffer.
 
     Returns:
         SequenceLogprobs(token_logprobs fp32 [N], seq_sum fp32 [B], seq_count int64 [B]), differentiable
@@ -150,7 +155,10 @@ def sequence_logprobs(
     inv_temperature = 1.0 / temperature
     args = (logits_NV, targets_N, active_N, cu_seqlens_B1, inv_temperature, tp_group, vocab_start_index, ops)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return SequenceLogprobs(*SequenceLogprobsFunction.apply(*args))
+        # A contiguous copy made here is ours to overwrite; a caller's leaf tensor (or a view of one) never is.
+        base = logits_NV if logits_NV._base is None else logits_NV._base
+        inplace = inplace_backward and not base.is_leaf
+        return SequenceLogprobs(*SequenceLogprobsFunction.apply(*args, inplace))
     token_N, seq_sum_B, seq_count_B, _ = logprob_forward(*args)
     return SequenceLogprobs(token_N, seq_sum_B, seq_count_B)
 

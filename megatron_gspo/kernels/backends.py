@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from megatron_gspo.kernels.triton_version import triton_problem
+
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -56,13 +58,19 @@ class LogprobOps(Protocol):
 
 
 def triton_interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1); False without Triton."""
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1); False without Triton.
+
+    With a Triton too old for the kernels (no `triton.knobs`) the environment variable answers, so that
+    `backend="auto"` still reaches `resolve_backend`'s Triton import, which names the fix.
+    """
     if "triton" not in sys.modules and not os.environ.get("TRITON_INTERPRET"):
         return False  # answered without importing triton
     try:
         import triton
     except ImportError:
         return False
+    if triton_problem(triton) is not None:
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     return bool(triton.knobs.runtime.interpret)
 
 
@@ -84,5 +92,5 @@ def resolve_backend(backend: str, device: torch.device) -> LogprobOps:
     try:
         from megatron_gspo.kernels.triton_logprob import TritonLogprobOps
     except ImportError as err:
-        raise ValueError(f"backend='triton' needs the triton package ({err}); use backend='torch'") from err
+        raise ValueError(f"backend='triton': {err}") from err
     return TritonLogprobOps()

@@ -10,10 +10,12 @@ where they buy nothing and host memory is the scarce resource).
   and lse [N] fp32.
 - backward: per chunk, recompute logits_NC (one GEMM), overwrite it in place with d logits_NC from the saved
   lse, then d weight[c] = d logits_NC.T @ hidden (one GEMM, written once: no [V, H] accumulator) and
-  d hidden += d logits_NC @ weight[c] (into an fp32 [N, H] accumulator).
+  d hidden += d logits_NC @ weight[c] (into an fp32 [N, H] accumulator, see `accumulate_fp32`: no bf16
+  [N, H] product per chunk, which would round every chunk's partial sum to 8 bits of mantissa).
 
 Working memory beyond inputs and gradients: one [N, C] chunk (the torch backend adds an fp32 scratch of at
-most 64 MiB for non-fp32 chunks) and the fp32 [N, H] d hidden accumulator. FLOPs: 2NHV forward, 6NHV backward
+most 64 MiB for non-fp32 chunks; bf16 on CPU adds fp32 copies of the d logits chunk and of weight[c] for the
+d hidden GEMM) and the fp32 [N, H] d hidden accumulator. FLOPs: 2NHV forward, 6NHV backward
 (recompute + two gradient GEMMs) = 8NHV.
 
 Masked tokens (prompt tokens in RL) are dropped before the GEMMs: only the selected rows are multiplied, so a
@@ -30,6 +32,8 @@ B sequences; `_N` [N], `_NH` [N, H], `_VH` [V, H], `_AC` [A, C], `_B1` [B + 1].
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -52,6 +56,39 @@ def vocab_chunk_size(n_rows: int, vocab: int, requested: int | None = None, devi
     columns = budget // (4 * max(n_rows, 1))
     columns = max(_CHUNK_ALIGN, columns // _CHUNK_ALIGN * _CHUNK_ALIGN)
     return min(columns, vocab)
+
+
+@functools.cache
+def _cuda_addmm_out_dtype() -> bool:
+    """Whether this torch's CUDA `addmm.dtype_out` takes an fp32 `input` with bf16 matrices.
+
+    torch 2.13 documents `torch.addmm(input, mat1, mat2, out_dtype, *, out=)` as "supported only on CUDA and for
+    torch.float32 given torch.float16/torch.bfloat16 input dtypes" (CPU: NotImplementedError for
+    aten::addmm.dtype_out). Earlier releases' CUDA kernel also required `input` to have the matrices' dtype,
+    which rules out accumulating into an fp32 buffer; one 1x1 call tells which kind this build is.
+    """
+    acc = torch.zeros(1, 1, device="cuda")
+    one = torch.ones(1, 1, device="cuda", dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(acc.item() == 1.0)
+
+
+def accumulate_fp32(acc_AH: torch.Tensor, a_AC: torch.Tensor, b_CH: torch.Tensor) -> None:
+    """acc_AH += a_AC @ b_CH with fp32 accumulation and no [A, H] temporary in the inputs' precision.
+
+    fp32 inputs: `addmm_`. bf16 / fp16 on CUDA: `torch.addmm(..., out_dtype=torch.float32, out=acc)` (the GEMM
+    accumulates in fp32 and adds into the fp32 buffer). Elsewhere (CPU, or a torch whose CUDA kernel refuses an
+    fp32 input): both operands upcast to fp32, bounded by the chunk ([A, C] <= the chunk budget, plus [C, H]).
+    """
+    if a_AC.dtype == torch.float32:
+        acc_AH.addmm_(a_AC, b_CH)
+    elif a_AC.device.type == "cuda" and _cuda_addmm_out_dtype():
+        torch.addmm(acc_AH, a_AC, b_CH, out_dtype=torch.float32, out=acc_AH)
+    else:
+        acc_AH.addmm_(a_AC.float(), b_CH.float())
 
 
 def _selected_rows(active_N: torch.Tensor, all_active: bool) -> torch.Tensor | None:
@@ -125,7 +162,6 @@ def _linear_backward(
     hidden_AH = _take(hidden_NH, rows_A)
     targets_A, grad_A, lse_A = _take(targets_N, rows_A), _take(grad_N, rows_A), _take(lse_N, rows_A)
     A = hidden_AH.shape[0]
-    fp32_math = hidden_NH.dtype == torch.float32
     dhidden_AH = hidden_NH.new_zeros(hidden_AH.shape, dtype=torch.float32) if need_hidden else None
     dweight_VH = torch.zeros_like(weight_VH) if need_weight else None
     chunk = vocab_chunk_size(A, V, chunk_size, hidden_NH.device.type)
@@ -136,10 +172,7 @@ def _linear_backward(
         if dweight_VH is not None:
             torch.mm(dlogits_AC.t(), hidden_AH, out=dweight_VH[v0 : v0 + chunk])
         if dhidden_AH is not None:
-            if fp32_math:
-                dhidden_AH.addmm_(dlogits_AC, weight_CH)
-            else:
-                dhidden_AH += dlogits_AC @ weight_CH
+            accumulate_fp32(dhidden_AH, dlogits_AC, weight_CH)
         del dlogits_AC
     dhidden_NH = None if dhidden_AH is None else _scatter(dhidden_AH.to(hidden_NH.dtype), rows_A, N)
     return dhidden_NH, dweight_VH

@@ -7,6 +7,12 @@ Backward: the upstream gradients of token_logprobs and seq_sum are folded into o
 one pass over the logits writes d logits = g * (onehot - exp(logits/T - lse)) / T. No collective in the
 backward, no recompute of the statistics.
 
+In-place backward (`inplace`, the default for non-leaf logits): d logits is written over the saved logits and
+returned as their gradient, so the backward allocates nothing [N, V]-sized (at N=32768, V=151936 bf16 a second
+buffer would be 9.96 GB). The logits are consumed: their version counter is bumped, so any other autograd node
+that saved the same tensor (and a second backward through this one) fails with torch's "modified by an inplace
+operation" error instead of reading gradients as logits. Leaf logits (a user's tensor) always get a new buffer.
+
 `logprob_forward` alone is the forward-only path (old-policy and reference log-probs): no autograd node,
 nothing saved; `api.sequence_logprobs` takes it whenever no gradient can be asked for.
 
@@ -47,7 +53,16 @@ class SequenceLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits_NV, targets_N, active_N, cu_seqlens_B1, inv_temperature, tp_group, vocab_start, ops
+        ctx,
+        logits_NV,
+        targets_N,
+        active_N,
+        cu_seqlens_B1,
+        inv_temperature,
+        tp_group,
+        vocab_start,
+        ops,
+        inplace,
     ):
         args = (logits_NV, targets_N, active_N, cu_seqlens_B1, inv_temperature, tp_group, vocab_start, ops)
         token_N, seq_sum_B, seq_count_B, lse_N = logprob_forward(*args)
@@ -55,6 +70,7 @@ class SequenceLogprobsFunction(torch.autograd.Function):
         ctx.inv_temperature = inv_temperature
         ctx.vocab_start = vocab_start
         ctx.ops = ops
+        ctx.inplace = inplace
         ctx.mark_non_differentiable(seq_count_B)
         return token_N, seq_sum_B, seq_count_B
 
@@ -62,6 +78,12 @@ class SequenceLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_token_N, grad_seq_B, _grad_count_B):
         logits_NV, targets_N, active_N, cu_seqlens_B1, lse_N = ctx.saved_tensors
         grad_N = fold_token_grads(grad_token_N, grad_seq_B, active_N, cu_seqlens_B1)
-        dlogits_NV = torch.empty_like(logits_NV, memory_format=torch.contiguous_format)
+        if ctx.inplace:
+            dlogits_NV = logits_NV
+        else:
+            dlogits_NV = torch.empty_like(logits_NV, memory_format=torch.contiguous_format)
         ctx.ops.dlogits(logits_NV, targets_N, grad_N, lse_N, ctx.vocab_start, ctx.inv_temperature, dlogits_NV)
-        return dlogits_NV, None, None, None, None, None, None, None
+        if ctx.inplace:
+            # A Triton kernel's writes are invisible to autograd: mark the logits as modified explicitly.
+            torch.autograd.graph.increment_version(logits_NV)
+        return dlogits_NV, None, None, None, None, None, None, None, None

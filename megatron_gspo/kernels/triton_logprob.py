@@ -3,15 +3,26 @@
 Three kernels, all on a 1-D launch grid (axis 0 allows 2**31 - 1 programs, so N >= 65536 tokens is fine;
 grid axes 1 and 2 overflow at 65535):
 
-- `_row_stats_kernel`: one program per token row. Online (max, sum-exp) over vocab blocks of `logits/T` in
-  fp32, giving the local log-sum-exp, plus the row's target logit `/T` when this shard owns the target id.
+- `_row_stats_kernel`: one program per token row. Online softmax over vocab blocks of `logits/T` in fp32
+  with a per-lane state: each of the BLOCK_V lanes keeps its own running (max, sum-exp) over the columns it
+  sees, so the loop body is purely elementwise (one exp per element: of exp(m - m') and exp(x - m') one is
+  exp(0) = 1); the lanes are reduced once after the loop (max, then sum of sum_l * exp(m_l - max)). Plus the
+  row's target logit `/T` when this shard owns the target id.
 - `_dlogits_kernel`: one program per row. d logits = g * (onehot - exp(logits/T - lse)) / T from the saved
   lse (no recompute of the statistics); rows with g == 0 (masked tokens) only write zeros. May run in place.
 - `_segment_sums_kernel`: one program per sequence, summing the masked token log-probs and counting the
   selected tokens of [cu_seqlens[b], cu_seqlens[b+1]) in a fixed order: deterministic, no atomics.
 
+Block size and warps of the two row kernels are autotuned (`triton.autotune` keyed on the vocab width V and,
+by triton's rule, the tensor dtypes; configs `ROW_CONFIGS`, pruned to blocks <= next_power_of_2(V)). Only the
+statistics kernel is benchmarked: it never writes its input, whereas benchmarking the in-place d logits kernel
+would need a copy of the whole [N, V] input (`restore_value`). The d logits kernel, a row pass over the same
+shape that runs after the forward, takes the configuration the statistics kernel chose for the same (V, dtype).
+In the interpreter (TRITON_INTERPRET=1) nothing is benchmarked: the widest block that fits V.
+
 Rows whose `active` flag is 0 (masked tokens) are skipped in the forward (their lse and target logit are 0).
-Offsets are int64: row * stride exceeds int32 at N=32768, V=151936.
+Offsets are int64: row * stride exceeds int32 at N=16384, V=151936 (2.49e9 elements) -- `program_id` is cast
+before it is multiplied; the column offsets within a row stay int32 (V < 2**31).
 
 The kernels are jitted lazily, per value of `triton.knobs.runtime.interpret` (TRITON_INTERPRET), at the first
 launch rather than at import: importing this module never fixes the mode, so a test that enables the
@@ -27,10 +38,12 @@ import functools
 from types import SimpleNamespace
 
 import torch
-import triton
-import triton.language as tl
 
-_MAX_BLOCK_V = 4096
+from megatron_gspo.kernels.triton_version import require_triton
+
+triton = require_triton()
+import triton.language as tl  # noqa: E402  (after the version check, which names the fix)
+
 _SEGMENT_BLOCK = 1024
 # FMA contraction, passed explicitly at launch: triton 3.9's implicit default, which triton 3.10 flips.
 _FP_FUSION = True
@@ -43,6 +56,26 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 # `tl.reduce` is a builtin, and the interpreter recognises these two combine functions (numpy fast paths).
 _SUM = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
+
+ROW_CONFIGS = tuple(
+    triton.Config({"BLOCK_V": block}, num_warps=warps)
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
+)
+"""Autotuning space of the row kernels: a row pass is memory bound, so the choice trades the number of loop
+iterations (and of in-flight loads) against registers per thread (BLOCK_V / (32 * num_warps) lanes each)."""
+_DEFAULT_BLOCK_V = 4096
+
+
+def _fitting_configs(V: int) -> list:
+    """ROW_CONFIGS whose block is no wider than V rounded up to a power of two (at least the narrowest one)."""
+    widest = max(triton.next_power_of_2(V), ROW_CONFIGS[0].kwargs["BLOCK_V"])
+    return [c for c in ROW_CONFIGS if c.kwargs["BLOCK_V"] <= widest]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """`early_config_prune`: the configs that fit V."""
+    del configs, kwargs
+    return _fitting_configs(int(named_args["V"]))
 
 
 def _row_stats_kernel(
@@ -63,16 +96,22 @@ def _row_stats_kernel(
     owned = active & (local_target >= 0) & (local_target < V)
     row_ptr = logits_ptr + row * stride_logits
     cols = tl.arange(0, BLOCK_V)
-    running_max = tl.full((), _NEG_BIG, tl.float32)
-    running_sum = tl.full((), 0.0, tl.float32)
+    lane_max = tl.full((BLOCK_V,), _NEG_BIG, tl.float32)
+    lane_sum = tl.full((BLOCK_V,), 0.0, tl.float32)
     loop_end = tl.where(active, V, 0)
     for start in range(0, loop_end, BLOCK_V):
         offs = start + cols
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
-        new_max = tl.maximum(running_max, tl.reduce(x, 0, _MAX))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.reduce(tl.exp(x - new_max), 0, _SUM)
-        running_max = new_max
-    lse = running_max + tl.log(tl.where(active, running_sum, 1.0))
+        # Per lane: sum <- sum * exp(m - m') + exp(x - m') with m' = max(m, x). One of the two exponents is
+        # 0, the other is -|x - m|: one exp per element (x = -inf, a masked column, adds exp(-inf) = 0).
+        grows = x > lane_max
+        e = tl.exp(-tl.abs(x - lane_max))
+        lane_sum = tl.where(grows, lane_sum * e + 1.0, lane_sum + e)
+        lane_max = tl.maximum(lane_max, x)
+    # Once per row: lanes that never saw a finite value hold (-1e30, 0) and add 0 * exp(-1e30 - max) = 0.
+    row_max = tl.reduce(lane_max, 0, _MAX)
+    row_sum = tl.reduce(lane_sum * tl.exp(lane_max - row_max), 0, _SUM)
+    lse = row_max + tl.log(tl.where(active, row_sum, 1.0))
     target_logit = tl.load(row_ptr + tl.where(owned, local_target, 0), mask=owned, other=0.0).to(tl.float32)
     tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
     tl.store(target_logit_ptr + row, tl.where(owned, target_logit * inv_temperature, 0.0))
@@ -139,12 +178,20 @@ def _segment_sums_kernel(
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
-    """The jitted kernels for one interpreter mode (`triton.jit` reads the mode when it wraps a function)."""
+    """The jitted kernels for one interpreter mode (`triton.jit` reads the mode when it wraps a function).
+
+    `row_stats` is the autotuned launcher; `row_stats_jit` / `dlogits` take BLOCK_V and num_warps explicitly.
+    """
     del interpret  # the cache key; triton.jit reads triton.knobs.runtime.interpret itself
+    row_stats_jit = triton.jit(_row_stats_kernel)
     return SimpleNamespace(
-        row_stats=triton.jit(_row_stats_kernel),
+        row_stats=triton.autotune(
+            configs=list(ROW_CONFIGS), key=["V"], prune_configs_by={"early_config_prune": _prune_configs}
+        )(row_stats_jit),
+        row_stats_jit=row_stats_jit,
         dlogits=triton.jit(_dlogits_kernel),
         segment_sums=triton.jit(_segment_sums_kernel),
+        tuned={},  # (V, logits dtype) -> the Config the row-stats autotuner chose
     )
 
 
@@ -152,16 +199,23 @@ def _current_kernels() -> SimpleNamespace:
     return _kernels(bool(triton.knobs.runtime.interpret))
 
 
-def _block_v(V: int, block_v: int | None) -> int:
-    if block_v is not None:
-        if block_v <= 0 or block_v & (block_v - 1):
-            raise ValueError(f"block_v={block_v} must be a positive power of two")
-        return block_v
-    return min(_MAX_BLOCK_V, triton.next_power_of_2(V))
+def _check_block(block_v: int) -> int:
+    if block_v <= 0 or block_v & (block_v - 1):
+        raise ValueError(f"block_v={block_v} must be a positive power of two")
+    return block_v
 
 
 def _num_warps(block_v: int) -> int:
     return 16 if block_v >= 4096 else 8 if block_v >= 1024 else 4
+
+
+def _row_config(kernels: SimpleNamespace, V: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for the d logits kernel: the row-stats choice for (V, dtype), else a default."""
+    config = kernels.tuned.get((V, dtype))
+    if config is not None:
+        return config.kwargs["BLOCK_V"], config.num_warps
+    block = min(_DEFAULT_BLOCK_V, _fitting_configs(V)[-1].kwargs["BLOCK_V"])
+    return block, _num_warps(block)
 
 
 def row_stats(
@@ -177,27 +231,25 @@ def row_stats(
 
     `logits_NV` may be any float dtype with unit stride along V; `active_N` is a uint8 flag per row. Returns
     two fp32 [N] tensors. The target logit is 0 where the target id is outside [vocab_start, vocab_start + V).
+    `block_v` fixes the block (num_warps follows from it) instead of the autotuned choice.
     """
     N, V = logits_NV.shape
     lse_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
     target_logit_N = torch.empty_like(lse_N)
     if N == 0:
         return lse_N, target_logit_N
-    block = _block_v(V, block_v)
-    _current_kernels().row_stats[(N,)](
-        logits_NV,
-        logits_NV.stride(0),
-        targets_N,
-        active_N,
-        lse_N,
-        target_logit_N,
-        V,
-        vocab_start,
-        inv_temperature,
-        BLOCK_V=block,
-        num_warps=_num_warps(block),
-        enable_fp_fusion=_FP_FUSION,
-    )
+    kernels = _current_kernels()
+    args = (logits_NV, logits_NV.stride(0), targets_N, active_N, lse_N, target_logit_N, V, vocab_start)
+    if block_v is None and not triton.knobs.runtime.interpret:
+        kernels.row_stats[(N,)](*args, inv_temperature, enable_fp_fusion=_FP_FUSION)
+        kernels.tuned[(V, logits_NV.dtype)] = kernels.row_stats.best_config
+    else:
+        # The interpreter has nothing to benchmark (and triton 3.4's autotuner would time even a single
+        # config): the widest block that fits V.
+        block = _check_block(block_v) if block_v is not None else _fitting_configs(V)[-1].kwargs["BLOCK_V"]
+        kernels.row_stats_jit[(N,)](
+            *args, inv_temperature, BLOCK_V=block, num_warps=_num_warps(block), enable_fp_fusion=_FP_FUSION
+        )
     return lse_N, target_logit_N
 
 
@@ -216,12 +268,18 @@ def dlogits(
 
     `lse_N` is the global (all-shard) log-sum-exp saved by the forward; `grad_N` is the folded fp32 upstream
     gradient per token (0 for masked tokens, whose rows are zero-filled without reading the logits).
+    Block and warps: `block_v`, else those the statistics kernel was tuned to for this (V, dtype).
     """
     N, V = logits_NV.shape
     if N == 0:
         return
-    block = _block_v(V, block_v)
-    _current_kernels().dlogits[(N,)](
+    kernels = _current_kernels()
+    if block_v is None:
+        block, warps = _row_config(kernels, V, logits_NV.dtype)
+    else:
+        block = _check_block(block_v)
+        warps = _num_warps(block)
+    kernels.dlogits[(N,)](
         logits_NV,
         logits_NV.stride(0),
         out_NV,
@@ -233,7 +291,7 @@ def dlogits(
         vocab_start,
         inv_temperature,
         BLOCK_V=block,
-        num_warps=_num_warps(block),
+        num_warps=warps,
         enable_fp_fusion=_FP_FUSION,
     )
 

@@ -23,8 +23,10 @@ class MoEConfig:
     """off | r2 (record top-k experts in the old-policy log-prob pass, replay them in every training forward of
     that rollout batch) | r3 (replay the rollout engine's routing in the old-policy pass and in training)."""
     drift_every: int = 1
-    """Measure expert drift (top-k sets of the same batch before / after an optimizer step) every N steps;
-    0 disables it."""
+    """Measure expert drift (top-k sets of the same batch before / after an optimizer step) every N steps; 0
+    disables it. Without replay the other steps record no routes and run no extra forward, so the rollout engine /
+    trainer routing mismatch (from the same recording) is reported on drift steps only; R2 records, and reports
+    the mismatch, every step."""
     drift_sample_sequences: int = 0
     """Sequences used for the drift measurement; 0 = the whole first minibatch."""
 

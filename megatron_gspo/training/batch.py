@@ -234,7 +234,9 @@ def token_logprobs_from_logits(
     tp = ps.get_tensor_model_parallel_world_size()
     start = ps.get_tensor_model_parallel_rank() * v_local
     valid = max(0, min(v_local, vocab_size - start))
-    logits_NV = logits_BSV.reshape(b * s, v_local)[:, :valid]
+    logits_NV = logits_BSV.reshape(b * s, v_local)
+    if valid < v_local:  # even a full-width slice puts a SliceBackward ([N, V] zeros + copy) under the grad
+        logits_NV = logits_NV[:, :valid]
     cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=logits_BSV.device)
     out = sequence_logprobs(
         logits_NV,

@@ -48,14 +48,30 @@ class RoutingControl:
         lengths = (mb.prompt_lens_N + mb.response_lens_N - 1).tolist()
         self.rr.set_microbatch(mb.seq_index_N.tolist(), TokenLayout.padded(lengths, self.seq_len))
 
+    def records_old_policy(self, measure: bool) -> bool:
+        """Whether the old-policy pass records routes: always for R2 (training replays them); with replay off only
+        on steps that measure drift (`measure`), whose "before" routes they are (the routing mismatch rollout
+        engine vs trainer comes from the same recording); never for R3 (the engine's routes are replayed)."""
+        if self.rr is None or self.moe.routing_replay == "r3":
+            return False
+        return self.moe.routing_replay == "r2" or measure
+
     # ---- phases -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def old_policy_pass(self, rollouts, batch: RolloutBatch):
-        """Around the old-policy log-prob pass: R2 / drift record, R3 replays the engine's routes."""
+    def old_policy_pass(self, rollouts, batch: RolloutBatch, *, measure: bool = True):
+        """Around the old-policy log-prob pass: R2 / drift record, R3 replays the engine's routes.
+
+        `measure`: whether this step reports expert drift. With replay off, a step that does not routes freely
+        through the pass (no recording, no routing-mismatch statistics): the recording would serve nothing.
+        """
         self.routes = self.pre_routes = None
         self.mismatch = {}
         if self.rr is None:
             yield
+            return
+        if self.moe.routing_replay == "off" and not measure:
+            with self.rr.off():
+                yield
             return
         if self.moe.routing_replay == "r3":
             self.routes = RouteStore.from_rollouts(rollouts, self._num_experts())

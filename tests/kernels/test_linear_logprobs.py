@@ -116,3 +116,39 @@ def test_bad_input_names_the_problem():
         linear_sequence_logprobs(hidden, weight.double(), targets, cu)
     with pytest.raises(ValueError, match="chunk_size"):
         linear_sequence_logprobs(hidden, weight, targets, cu, chunk_size=0)
+
+
+def test_bf16_dhidden_accumulates_in_fp32():
+    """d hidden over 32 vocab chunks, each partial large and the total small (nearly equal LM-head rows): with
+    a bf16 product per chunk the rounding of every partial survives in the sum (median 37 bf16 ulps off,
+    measured); accumulated in fp32 the result is the exact sum rounded once.
+
+    Torch backend only: the accumulation is shared, and Triton's interpreter truncates fp32 -> bf16 stores
+    (`cast_impl` ignores the rounding mode) where compiled Triton rounds to nearest even, which biases the
+    interpreted bf16 d logits by far more than what this test measures."""
+    backend = "torch"
+    gen = torch.Generator().manual_seed(7)
+    N, H, V, C = 16, 32, 4096, 128
+    base = torch.randn(H, generator=gen)
+    weight = (base + 0.01 * torch.randn(V, H, generator=gen)).bfloat16()
+    hidden = (torch.randn(N, H, generator=gen) * 0.05).bfloat16()
+    targets = torch.randint(0, V, (N,), generator=gen)
+    cu = torch.tensor([0, N], dtype=torch.int32)
+    h = hidden.clone().requires_grad_()
+    linear_sequence_logprobs(
+        h, weight, targets, cu, chunk_size=C, backend=backend
+    ).token_logprobs.sum().backward()
+    # Reference: the same bf16 logits chunks and bf16 d logits (the kernel's roundings), summed in float64.
+    chunks = [hidden @ weight[v : v + C].t() for v in range(0, V, C)]
+    lse = torch.logsumexp(torch.cat(chunks, 1).double(), 1)
+    ref = torch.zeros(N, H, dtype=torch.float64)
+    for i, logits in enumerate(chunks):
+        d = -(logits.double() - lse[:, None]).exp()
+        cols = targets - i * C
+        own = (cols >= 0) & (cols < C)
+        d[own.nonzero().squeeze(1), cols[own]] += 1.0
+        ref += d.bfloat16().double() @ weight[i * C : (i + 1) * C].double()
+    err = (h.grad.double() - ref).abs()
+    ulp = ref.abs().float().bfloat16().double() * 2**-8
+    assert (err / ulp).median() <= 1.0
+    assert err.max() <= 0.01 * ref.abs().max()

@@ -169,6 +169,75 @@ def test_no_tokens_at_all(backend):
     logits = torch.zeros(0, 10, requires_grad=True)
     cu = torch.tensor([0, 0], dtype=torch.int32)
     out = sequence_logprobs(logits, torch.zeros(0, dtype=torch.long), cu, backend=backend)
-    assert out.token_logprobs.shape == (0,) and out.seq_sum.tolist() == [0.0] and out.seq_count.tolist() == [0]
+    assert (
+        out.token_logprobs.shape == (0,) and out.seq_sum.tolist() == [0.0] and out.seq_count.tolist() == [0]
+    )
     out.seq_sum.sum().backward()
     assert logits.grad.shape == (0, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_writes_dlogits_over_nonleaf_logits(backend, dtype):
+    """An LM head's output (a non-leaf) gets its gradient written in place: no second [N, V] buffer; the leaf
+    upstream still receives the reference gradient."""
+    case = make_case([5, 0, 7], vocab=900, dtype=dtype, temperature=0.8)
+    source = case.logits.clone().requires_grad_()
+    logits = source * 1.0  # non-leaf, as the output layer's logits are
+    seen = []
+    logits.register_hook(lambda g: seen.append((g.data_ptr(), g.dtype)))
+    storage = logits.data_ptr()
+    out = sequence_logprobs(
+        logits, case.targets, case.cu_seqlens, case.loss_mask, temperature=0.8, backend=backend
+    )
+    weighted_loss(out.token_logprobs, out.seq_sum, case).backward()
+    assert seen == [(storage, dtype)]
+    ref_token, _, _, ref_grad = _reference(case)
+    torch.testing.assert_close(out.token_logprobs, ref_token, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(source.grad.float(), ref_grad.float(), **_TOL[dtype])
+
+
+@pytest.mark.parametrize("leaf", [True, False])
+def test_leaf_logits_and_opt_out_keep_their_values(backend, leaf):
+    """A caller's leaf tensor is never overwritten; neither is a non-leaf with inplace_backward=False."""
+    case = make_case([4, 6], vocab=300)
+    logits = case.logits.clone().requires_grad_()
+    if not leaf:
+        logits = logits * 1.0
+    before = logits.detach().clone()
+    out = sequence_logprobs(
+        logits, case.targets, case.cu_seqlens, case.loss_mask, backend=backend, inplace_backward=leaf
+    )
+    weighted_loss(out.token_logprobs, out.seq_sum, case).backward()
+    assert torch.equal(logits.detach(), before)
+
+
+def test_inplace_backward_fails_loudly_for_another_user_of_the_logits(backend):
+    """A node created earlier that saved the same logits runs after ours: torch's version check refuses it."""
+    case = make_case([4, 6], vocab=300)
+    logits = case.logits.clone().requires_grad_() * 1.0
+    other = (logits * logits).sum()  # saves `logits` for its backward
+    out = sequence_logprobs(logits, case.targets, case.cu_seqlens, case.loss_mask, backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (weighted_loss(out.token_logprobs, out.seq_sum, case) + other).backward()
+
+
+def test_old_triton_is_refused_with_the_fix(monkeypatch):
+    """A triton without `triton.knobs` (3.3.1 and older) names the release to install, for every entry point."""
+    import sys
+    import types
+
+    from megatron_gspo.kernels import triton_version
+
+    old = types.ModuleType("triton")
+    old.__version__ = "3.3.1"
+    assert "pip install 'triton>=3.4.0'" in triton_version.triton_problem(old)
+    assert triton_version.triton_problem(sys.modules["triton"]) is None  # the installed one is fine
+    monkeypatch.setitem(sys.modules, "triton", old)
+    monkeypatch.delitem(sys.modules, "megatron_gspo.kernels.triton_logprob")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(
+        ValueError, match=r"triton 3\.3\.1 is older than 3\.4\.0.*pip install 'triton>=3\.4\.0'"
+    ):
+        resolve_backend("auto", torch.device("cpu"))
+    with pytest.raises(ImportError, match="older than 3.4.0"):
+        triton_version.require_triton()

@@ -29,20 +29,21 @@ _COMMON = {
     "inv_temperature": "fp32",
     "BLOCK_V": "constexpr",
 }
+# Strides as triton types them at a launch: i32 when they fit (151936 does), i64 beyond.
 SIGNATURES = {
-    "row_stats": lambda dt: {
+    "row_stats": lambda dt, stride="i32": {
         "logits_ptr": dt,
-        "stride_logits": "i64",
+        "stride_logits": stride,
         "active_ptr": "*u8",
         "lse_ptr": "*fp32",
         "target_logit_ptr": "*fp32",
         **_COMMON,
     },
-    "dlogits": lambda dt: {
+    "dlogits": lambda dt, stride="i32": {
         "logits_ptr": dt,
-        "stride_logits": "i64",
+        "stride_logits": stride,
         "dlogits_ptr": dt,
-        "stride_dlogits": "i64",
+        "stride_dlogits": stride,
         "grad_ptr": "*fp32",
         "lse_ptr": "*fp32",
         **_COMMON,
@@ -50,24 +51,48 @@ SIGNATURES = {
 }
 
 
-@pytest.mark.parametrize("kernel", list(SIGNATURES))
-@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
-def test_compiles_for_sm90(kernel, dtype, monkeypatch, tmp_path):
+def _compile(fn, signature, constexprs, options, tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    fn = getattr(triton_logprob._kernels(False), kernel)
-    sig = SIGNATURES[kernel](dtype)
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_V": 4096}),
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 16, "enable_fp_fusion": True},
+        options={"enable_fp_fusion": True, **options},
+    )
+
+
+_CONFIGS = [(c.kwargs["BLOCK_V"], c.num_warps) for c in triton_logprob.ROW_CONFIGS]
+
+
+@pytest.mark.parametrize("kernel", list(SIGNATURES))
+@pytest.mark.parametrize("block_v, num_warps", _CONFIGS)
+def test_every_autotune_config_compiles_for_sm90(kernel, block_v, num_warps, monkeypatch, tmp_path):
+    """Each config the autotuner may pick is valid compiled Triton for bf16 logits (registers included)."""
+    kernels = triton_logprob._kernels(False)
+    fn = kernels.row_stats_jit if kernel == "row_stats" else kernels.dlogits
+    compiled = _compile(
+        fn, SIGNATURES[kernel]("*bf16"), {"BLOCK_V": block_v}, {"num_warps": num_warps}, tmp_path, monkeypatch
     )
     assert compiled.asm["cubin"]
 
 
+@pytest.mark.parametrize("kernel", list(SIGNATURES))
+def test_fp32_logits_compile_for_sm90(kernel, monkeypatch, tmp_path):
+    kernels = triton_logprob._kernels(False)
+    fn = kernels.row_stats_jit if kernel == "row_stats" else kernels.dlogits
+    compiled = _compile(
+        fn, SIGNATURES[kernel]("*fp32", "i64"), {"BLOCK_V": 4096}, {"num_warps": 16}, tmp_path, monkeypatch
+    )
+    assert compiled.asm["cubin"]
+
+
+def test_autotuner_wraps_the_row_kernel():
+    kernels = triton_logprob._kernels(False)
+    assert kernels.row_stats.keys == ["V"] and kernels.row_stats.fn is kernels.row_stats_jit
+    assert len(kernels.row_stats.configs) == len(triton_logprob.ROW_CONFIGS) > 1
+
+
 def test_segment_kernel_compiles_for_sm90(monkeypatch, tmp_path):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     sig = {
         "values_ptr": "*fp32",
         "active_ptr": "*u8",
@@ -76,9 +101,5 @@ def test_segment_kernel_compiles_for_sm90(monkeypatch, tmp_path):
         "counts_ptr": "*i64",
         "BLOCK": "constexpr",
     }
-    compiled = triton.compile(
-        ASTSource(fn=triton_logprob._kernels(False).segment_sums, signature=sig, constexprs={"BLOCK": 1024}),
-        target=GPUTarget("cuda", 90, 32),
-        options={"enable_fp_fusion": True},
-    )
-    assert compiled.asm["cubin"]
+    fn = triton_logprob._kernels(False).segment_sums
+    assert _compile(fn, sig, {"BLOCK": 1024}, {}, tmp_path, monkeypatch).asm["cubin"]

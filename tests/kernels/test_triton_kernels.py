@@ -65,3 +65,81 @@ def test_segment_sums_long_sequences():
     ref_sums, ref_counts = segment_sums_torch(values, active, cu)
     torch.testing.assert_close(sums, ref_sums, rtol=1e-6, atol=1e-3)
     assert torch.equal(counts, ref_counts)
+
+
+def _stats_cases(dtype):
+    """Rows that stress the per-lane online softmax: the max in a late block and another lane, a huge
+    dynamic range, -inf columns, a whole -inf row (a vocab-padding shard), a masked row."""
+    gen = torch.Generator().manual_seed(3)
+    V = 8192 + 1024 + 77  # not a multiple of any block: 2 to 10 blocks, the last one partial
+    logits = torch.randn(6, V, generator=gen) * 3
+    logits[0, V - 5] = 40.0  # max in the partial last block
+    logits[1] *= 30  # exp underflows for most columns
+    logits[2, ::3] = float("-inf")
+    logits[3] = float("-inf")
+    logits[4, 17] = 25.0  # max in the first block, lane 17
+    targets = torch.tensor([V - 5, 0, 2, 4, 17, 9]) + 50
+    active = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.uint8)
+    return logits.to(dtype), targets, active, V
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # the -inf row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block_v", [None] + sorted({c.kwargs["BLOCK_V"] for c in triton_logprob.ROW_CONFIGS})
+)
+def test_row_stats_every_config_matches_float64(dtype, block_v):
+    """Every block the autotuner may choose (and the default path) against a float64 log-sum-exp."""
+    logits, targets, active, V = _stats_cases(dtype)
+    lse, target = triton_logprob.row_stats(logits, targets, active, 50, 1 / 0.7, block_v=block_v)
+    z = logits.double() / 0.7
+    expected = torch.logsumexp(z, dim=1).float()
+    expected[active == 0] = 0
+    torch.testing.assert_close(lse[:3], expected[:3], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(lse[4], expected[4], rtol=1e-6, atol=1e-5)
+    assert lse[3] == float("-inf") and lse[5] == 0  # an all -inf row has lse -inf (exp(lse) = 0), no NaN
+    rows = torch.arange(6)
+    expected_target = z[rows, targets - 50].float()
+    torch.testing.assert_close(target[:5], expected_target[:5])
+    assert target[5] == 0
+
+
+def test_dlogits_follows_the_tuned_row_config(monkeypatch):
+    """Without block_v the d logits kernel takes the row-stats kernel's config for the same (V, dtype)."""
+    logits, targets, active = _inputs(V=3000)
+    kernels = triton_logprob._current_kernels()
+    chosen = triton_logprob.ROW_CONFIGS[1]
+    monkeypatch.setitem(kernels.tuned, (3000, torch.float32), chosen)
+    assert triton_logprob._row_config(kernels, 3000, torch.float32) == (2048, chosen.num_warps)
+    assert triton_logprob._row_config(kernels, 3000, torch.bfloat16) == (4096, 16)  # untuned: the default
+    lse, _ = row_stats_torch(logits, targets, torch.ones_like(active), 100, 1.0)
+    grad = torch.randn(logits.shape[0])
+    expected = torch.empty_like(logits)
+    dlogits_torch(logits, targets, grad, lse, 100, 1.0, expected)
+    out = torch.empty_like(logits)
+    triton_logprob.dlogits(logits, targets, grad, lse, 100, 1.0, out)
+    torch.testing.assert_close(out, expected)
+
+
+def test_row_offsets_past_int32():
+    """Row offsets row * stride beyond 2**31 elements (N=16384 x V=151936 has 2.49e9): a 3-row view with a row
+    stride of 2**30 + 64 (an int32 stride, as triton types it) puts row 2 at element 2**31 + 128. The storage is
+    4 GiB of virtual memory of which only the three rows are ever touched (and the interpreter's copy-back of a
+    CPU storage onto itself is a no-op), so this runs on a laptop."""
+    stride, V = 2**30 + 64, 300
+    storage = torch.empty(2 * stride + V, dtype=torch.bfloat16)
+    view = storage.as_strided((3, V), (stride, 1))
+    gen = torch.Generator().manual_seed(4)
+    compact = (torch.randn(3, V, generator=gen) * 3).bfloat16()
+    view.copy_(compact)
+    targets = torch.tensor([5, 299, 150])
+    active = torch.ones(3, dtype=torch.uint8)
+    lse, target = triton_logprob.row_stats(view, targets, active, 0, 1.0)
+    ref_lse, ref_target = row_stats_torch(compact, targets, active, 0, 1.0)
+    torch.testing.assert_close(lse, ref_lse)
+    torch.testing.assert_close(target, ref_target)
+    grad = torch.tensor([1.0, -2.0, 0.5])
+    expected = torch.empty_like(compact)
+    dlogits_torch(compact, targets, grad, ref_lse, 0, 1.0, expected)
+    triton_logprob.dlogits(view, targets, grad, ref_lse, 0, 1.0, view)  # in place, through the same offsets
+    torch.testing.assert_close(view.clone(), expected)

@@ -171,8 +171,23 @@ def test_nonfinite_gradient_skips_the_step_and_training_continues(tmp_path):
     from tests.training.trainer_ranks import nonfinite_gradient_is_skipped
 
     out = run_distributed(nonfinite_gradient_is_skipped, str(tmp_path / "nan"), world_size=1)[0]
-    assert out["skipped_ok"] is False and out["unchanged"]
+    assert out["skipped"] == [False, False] and out["unchanged"]  # NaN in a dense, inf in an expert gradient
     assert out["ok"] is True and out["changed"] and out["norm"] > 0
+
+
+@pytest.mark.parametrize("old_logprobs", ["recompute", "engine"])
+def test_routing_statistics_only_on_drift_steps(tmp_path, old_logprobs):
+    """moe.drift_every=2: step 1 records no routes and runs no forward for them (engine log-probs: no drift-sample
+    pass at all); step 2 records pi_old's routes and measures drift and the routing mismatch."""
+    from tests.distributed import run_distributed
+    from tests.training.trainer_ranks import routing_statistics_follow_drift_every
+
+    out = run_distributed(routing_statistics_follow_drift_every, str(tmp_path / "r"), old_logprobs, world_size=1)[0]
+    first, second = out["steps"]
+    recompute = old_logprobs == "recompute"
+    assert first == dict(passes=1 if recompute else 0, recorded=False, keys=[])
+    assert second["recorded"] and second["passes"] == 2  # (old log-probs or the record pass) + the drift pass
+    assert "expert_drift" in second["keys"] and "routing_mismatch" in second["keys"]
 
 
 @pytest.mark.slow

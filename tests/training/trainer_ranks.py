@@ -14,17 +14,21 @@ def nonfinite_gradient_is_skipped(run_dir: str) -> dict:
     cfg = load_run_config("examples/tiny_moe_gspo.yaml", [*MINI, f"trainer.run_dir={run_dir}"])
     trainer = GSPOTrainer(cfg)
     try:
-        params = [p for m in trainer.rt.models for p in m.parameters()]
+        named = [(n, p) for m in trainer.rt.models for n, p in m.named_parameters()]
+        params = [p for _, p in named]
+        expert = next(i for i, (n, _) in enumerate(named) if ".experts." in n)  # in DDP's expert-parallel buffer
         before = [p.detach().clone() for p in params]
         for p in params:
             p.main_grad.fill_(0.01)
-        params[3].main_grad[0] = float("nan")
-        skipped_ok, skipped_norm = trainer._optimizer_step()
+        skipped = []
+        for index, value in ((3, float("nan")), (expert, float("inf"))):
+            params[index].main_grad.view(-1)[-1] = value
+            skipped.append(trainer._optimizer_step()[0])
+            params[index].main_grad.view(-1)[-1] = 0.01
         unchanged = all(torch.equal(a, p) for a, p in zip(before, params))
-        params[3].main_grad[0] = 0.01
         ok, norm = trainer._optimizer_step()
         changed = any(not torch.equal(a, p) for a, p in zip(before, params))
-        return dict(skipped_ok=skipped_ok, unchanged=unchanged, ok=ok, norm=norm, changed=changed)
+        return dict(skipped=skipped, unchanged=unchanged, ok=ok, norm=norm, changed=changed)
     finally:
         trainer.close()
 
@@ -174,3 +178,34 @@ def data_parallel_step_metrics(run_dir: str) -> dict:
             return {"metrics": trainer.history[-1], "local": local, "want": cfg.trainer.prompts_per_step // 2}
         finally:
             trainer.close()
+
+
+def routing_statistics_follow_drift_every(run_dir: str, old_logprobs: str) -> dict:
+    """Two RL steps with moe.drift_every=2: per step, how many forward-only passes ran, whether the old-policy
+    pass recorded routes, and which routing statistics the step reported."""
+    from megatron_gspo.training.config import load_run_config
+    from megatron_gspo.training.trainer import GSPOTrainer
+
+    overrides = [*MINI, f"trainer.run_dir={run_dir}", "moe.drift_every=2", f"rollout.old_logprobs={old_logprobs}"]
+    trainer = GSPOTrainer(load_run_config("examples/tiny_moe_gspo.yaml", overrides))
+    passes = []
+    compute = trainer.compute_logprobs
+
+    def counted(batch):
+        passes[-1] += 1
+        return compute(batch)
+
+    trainer.compute_logprobs = counted
+    steps = []
+    try:
+        for _ in range(2):
+            passes.append(0)
+            batch, _ = trainer.collect(step_seed=trainer.step)
+            trainer.old_logprobs(batch)
+            recorded = trainer.routing.pre_routes is not None
+            updates = trainer.update(batch)
+            trainer.step += 1
+            steps.append(dict(passes=passes[-1], recorded=recorded, keys=sorted(updates[0]["drift"])))
+        return dict(steps=steps)
+    finally:
+        trainer.close()
