@@ -19,6 +19,8 @@ Legend: T tokens of the pack, Hq query heads and G key/value groups of this TP r
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -58,6 +60,32 @@ def block_causal_mask(length: int, cuts: list[int], device) -> torch.Tensor:
     return (seg_C[:, None] == seg_C[None, :]) & (pos_C[None, :] <= pos_C[:, None])
 
 
+@dataclass
+class PackedAttentionParams(PackedSeqParams):
+    """megatron's PackedSeqParams plus what the local packed attention reuses in every layer of one micro-batch:
+    the blocks (from the host-side sequence lengths, so no device sync per layer) and their masks (built once, on
+    first use). TE's attention reads only PackedSeqParams' own fields."""
+
+    cu_seqlens_host: tuple[int, ...] | None = None
+    """cu_seqlens_q as Python ints."""
+    _blocks: list | None = field(default=None, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def blocks(self) -> list[tuple[int, int, list[int]]]:
+        if self._blocks is None:
+            cu = self.cu_seqlens_host
+            if cu is None:
+                cu = tuple(int(x) for x in self.cu_seqlens_q.tolist())
+            self._blocks = attention_blocks(list(cu))
+        return self._blocks
+
+    def mask(self, start: int, end: int, cuts: list[int], device) -> torch.Tensor:
+        key = (start, str(device))
+        if key not in self._masks:
+            self._masks[key] = block_causal_mask(end - start, cuts, device)
+        return self._masks[key]
+
+
 class PackedDotProductAttention(DotProductAttention):
     """megatron's DotProductAttention; packed (THD) inputs get block-diagonal causal attention (module doc)."""
 
@@ -83,27 +111,23 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError("packed (THD) attention on the local spec has no attention dropout (model dropout is 0)")
         if self.softmax_offset is not None or self.config.apply_query_key_layer_scaling or self.config.window_size:
             raise ValueError("packed (THD) attention on the local spec supports vanilla softmax attention only")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
-        cu_list = [int(x) for x in cu.tolist()]
-        kv_cu = packed_seq_params.cu_seqlens_kv_padded
-        kv_cu = packed_seq_params.cu_seqlens_kv if kv_cu is None else kv_cu
-        if kv_cu is not None and kv_cu.data_ptr() != cu.data_ptr() and kv_cu.tolist() != cu_list:
-            raise ValueError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+        params = packed_seq_params
+        if not isinstance(params, PackedAttentionParams):
+            params = _checked_params(params)
+        blocks = params.blocks()
         q_THD, k_TGD, v_TGD = query, key, value
-        if q_THD.dim() != 3 or cu_list[0] != 0 or cu_list[-1] != q_THD.shape[0]:
+        if q_THD.dim() != 3 or not blocks or blocks[0][0] != 0 or blocks[-1][1] != q_THD.shape[0]:
             raise ValueError(
-                f"packed attention got q {tuple(q_THD.shape)} (expected [T, heads, dim]) and cu_seqlens ending at "
-                f"{cu_list[-1]}: cu_seqlens must start at 0 and cover all T tokens of the pack"
+                f"packed attention got q {tuple(q_THD.shape)} (expected [T, heads, dim]) and cu_seqlens covering "
+                f"[0, {blocks[-1][1] if blocks else 0}): cu_seqlens must start at 0 and cover all T tokens of the pack"
             )
         gqa = q_THD.shape[1] != k_TGD.shape[1]
         # [T, heads, D] -> [1, heads, T, D] views: SDPA's layout.
         q_1HTD, k_1GTD, v_1GTD = (t.permute(1, 0, 2).unsqueeze(0) for t in (q_THD, k_TGD, v_TGD))
         parts = []
-        for start, end, cuts in attention_blocks(cu_list):
+        for start, end, cuts in blocks:
             sl = slice(start, end)
-            mask = None if len(cuts) == 1 else block_causal_mask(end - start, cuts, q_THD.device)
+            mask = None if len(cuts) == 1 else params.mask(start, end, cuts, q_THD.device)
             o = F.scaled_dot_product_attention(
                 q_1HTD[:, :, sl],
                 k_1GTD[:, :, sl],
@@ -117,3 +141,15 @@ class PackedDotProductAttention(DotProductAttention):
         out_THD = torch.cat(parts, dim=2).squeeze(0).permute(1, 0, 2)
         # megatron's THD path reshapes [T, heads, D] -> [T, 1, heads * D] itself.
         return out_THD.reshape(out_THD.shape[0], -1)
+
+
+def _checked_params(params: PackedSeqParams) -> PackedAttentionParams:
+    """A plain PackedSeqParams (made elsewhere) as PackedAttentionParams, its self-attention contract checked."""
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    host = tuple(int(x) for x in cu.tolist())
+    if kv is not None and kv is not cu and tuple(int(x) for x in kv.tolist()) != host:
+        raise ValueError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+    return PackedAttentionParams(qkv_format=params.qkv_format, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=params.max_seqlen_q, max_seqlen_kv=params.max_seqlen_kv,
+                                 cu_seqlens_host=host)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_gspo.models.attention import PackedAttentionParams
 from megatron_gspo.moe.routes import TokenLayout
 
 
@@ -147,12 +148,13 @@ def packed_inputs(batch, *, multiple: int = 1, length: int | None = None, pad_id
         bounds.append(t)  # the padding segment
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     max_seqlen = max(max(lengths), t - total)
-    params = PackedSeqParams(
+    params = PackedAttentionParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
+        cu_seqlens_host=tuple(bounds),
     )
     pad_1T = torch.zeros((1, t), dtype=torch.bool, device=device)
     pad_1T[0, total:] = True
