@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_gspo.rollout.sampling import sample_tokens
+from megatron_gspo.rollout.local.sampling import sample_tokens
 from megatron_gspo.rollout.types import Rollout, SamplingParams
 
 

@@ -2,19 +2,19 @@
 
 `LocalEngine` implements the `RolloutEngine` protocol (rollout/types.py) like the SGLang engine does, and returns
 what SGLang returns: response ids, per-token log-probs (of the temperature-scaled, untruncated distribution; see
-rollout/sampling.py), finish reasons and the top-k experts of every fed token (R3 routing replay).
+rollout/local/sampling.py), finish reasons and the top-k experts of every fed token (R3 routing replay).
 
 Backends (`backend=`):
-- "megatron": the trainer's GPTModel itself with megatron-core's StaticInferenceContext (rollout/local_megatron.py).
+- "megatron": the trainer's GPTModel itself with megatron-core's StaticInferenceContext (rollout/local/megatron.py).
   Needs an unsplit model on this rank (tp = pp = ep = cp = 1); data-parallel ranks each generate their prompts.
   It shares the trainer's parameters, so `update_weights` only records the version.
-- "hf": a transformers replica (rollout/local_hf.py) refreshed from the Megatron shards on `update_weights`
+- "hf": a transformers replica (rollout/local/hf.py) refreshed from the Megatron shards on `update_weights`
   (a collective: every rank calls it, and the constructor). Rank 0 of each model-parallel group generates for
   the prompts *it* was given and broadcasts the rollouts to its group, so every rank returns the same list
   (the other ranks of the group wait). A CPU / debugging path: the replica holds the full, unsharded model.
 - "auto": "megatron" when the model is not split, else "hf".
 
-Prompts of different lengths go to different batches (bucketed by length; see rollout/local_decode.py), so no
+Prompts of different lengths go to different batches (bucketed by length; see rollout/local/decode.py), so no
 position is ever padding. Sampling randomness comes from a private torch.Generator: with `sampling.seed` set, a
 call is reproducible on its own; with seed None the engine's `seed` and a per-engine call counter are used, so a
 run is reproducible as a whole. The data-parallel rank is mixed into the seed, so DP replicas draw different streams.
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.models.config import ModelConfig
-from megatron_gspo.rollout.local_decode import generate_batch, plan_batches
-from megatron_gspo.rollout.local_hf import HFReplica, HFStepper
-from megatron_gspo.rollout.local_megatron import MegatronStepper, inference_mode, new_context
+from megatron_gspo.rollout.local.decode import generate_batch, plan_batches
+from megatron_gspo.rollout.local.hf import HFReplica, HFStepper
+from megatron_gspo.rollout.local.megatron import MegatronStepper, inference_mode, new_context
 from megatron_gspo.rollout.types import Rollout, SamplingParams, compact_expert_dtype
 
 log = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.rollout.sglang import SGLangEngine, SGLangGenerateError, StaleWeightsError
-from megatron_gspo.rollout.sglang_protocol import derive_sampling_seed
+from megatron_gspo.rollout.sglang.protocol import derive_sampling_seed
 from megatron_gspo.rollout.types import RolloutEngine, SamplingParams
-from tests.rollout.fake_sglang import fake_logprob, fake_routed_experts, fake_tokens
+from tests.rollout.sglang.fake_server import fake_logprob, fake_routed_experts, fake_tokens
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 VOCAB = 97

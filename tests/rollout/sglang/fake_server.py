@@ -2,7 +2,7 @@
 
 In-process: `FakeSGLang(...).start()` serves an aiohttp app from a background thread (own event loop) on
 127.0.0.1:<free port>. As a subprocess (launch-mode tests):
-`python -m tests.rollout.fake_sglang --host H --port P [SGLang's flags, ignored] [--fake-* knobs]`.
+`python -m tests.rollout.sglang.fake_server --host H --port P [SGLang's flags, ignored] [--fake-* knobs]`.
 
 Generation is deterministic: tokens come from an LCG seeded by the prompt and `sampling_seed`, so tests can
 recompute what a request must return (`fake_tokens`, `fake_logprob`, `fake_routed_experts`).
@@ -93,6 +93,9 @@ class FakeSGLang:
         """/update_weights_from_* answer 400 {"success": false}."""
         self.drop_fields: set[str] = set()
         """meta_info keys left out of /generate answers (an incompatible server version)."""
+        self.vary_per_request = False
+        """Mix the request number into the tokens: the same request twice gets different answers (a server that
+        is not batch-invariant)."""
         # records
         self.weight_version = "default"
         self.calls: list[tuple[str, Any]] = []
@@ -154,7 +157,8 @@ class FakeSGLang:
             request.transport.abort()
         raise asyncio.CancelledError
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def _admit(self, request: web.Request) -> tuple[Any, int, web.Response | None]:
+        """(body, request number, a failure answer or None): the failure knobs every fake's generate obeys."""
         body = await self._payload(request)
         self.generate_count += 1
         number = self.generate_count
@@ -162,7 +166,13 @@ class FakeSGLang:
             await self._die(request)
         if number in self.fail_generate:
             error = {"object": "error", "message": "Internal server error", "code": 500}
-            return web.json_response(error, status=500)
+            return body, number, web.json_response(error, status=500)
+        return body, number, None
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body, number, failure = await self._admit(request)
+        if failure is not None:
+            return failure
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -179,7 +189,10 @@ class FakeSGLang:
         prompt = body["input_ids"]
         stop_ids = list(params.get("stop_token_ids") or [])
         max_new = int(params.get("max_new_tokens", 128))
-        tokens = fake_tokens(prompt, params.get("sampling_seed"), max_new, stop_ids, self.vocab_size)
+        seed = params.get("sampling_seed")
+        if self.vary_per_request:
+            seed = (seed or 0) + 7919 * number
+        tokens = fake_tokens(prompt, seed, max_new, stop_ids, self.vocab_size)
         aborted = self.abort_next > 0 or body.get("rid") in self.aborted_rids
         if aborted:
             self.abort_next = max(0, self.abort_next - 1)

@@ -1,7 +1,7 @@
-"""Launching and stopping SGLang servers (and the router) from the trainer.
+"""Launching and stopping server processes (SGLang, vLLM, a router) from the trainer.
 
-Servers run from SGLang's own environment (`SGLangConfig.python`, REFERENCE.md §6), each in a new process
-group so that stopping it also stops its scheduler / detokenizer children. Whatever the `ProcessSupervisor`
+Servers run from their own environment (`<section>.python`, REFERENCE.md §6), each in a new process group so
+that stopping it also stops its children (schedulers, detokenizers, engine cores). Whatever the `ProcessSupervisor`
 started it stops: on `stop_all()`, at interpreter exit (atexit) and on SIGTERM / SIGINT (then the previous
 handler runs).
 """
@@ -21,55 +21,9 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from megatron_gspo.rollout.sglang_config import SGLangConfig
-
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def server_port(cfg: SGLangConfig, index: int) -> int:
-    """HTTP port of launched server `index`."""
-    return cfg.port_base + index
-
-
-def server_url(cfg: SGLangConfig, index: int) -> str:
-    """Base URL of launched server `index`."""
-    return f"http://{cfg.host}:{server_port(cfg, index)}"
-
-
-def router_url(cfg: SGLangConfig) -> str:
-    """Base URL of the launched router."""
-    return f"http://{cfg.host}:{cfg.router_port}"
-
-
-def server_command(cfg: SGLangConfig, index: int) -> list[str]:
-    """Command line of launched server `index` (token ids in and out: no tokenizer in the server)."""
-    if not 0 <= index < cfg.num_servers:
-        raise ValueError(f"server index {index} outside 0..sglang.num_servers-1={cfg.num_servers - 1}")
-    cmd = [
-        cfg.python,
-        "-m",
-        cfg.server_module,
-        "--model-path",
-        cfg.model_path,
-        "--host",
-        cfg.host,
-        "--port",
-        str(server_port(cfg, index)),
-        "--tp-size",
-        str(cfg.tp_size),
-        "--base-gpu-id",
-        str(cfg.base_gpu_id + index * cfg.tp_size),
-        "--mem-fraction-static",
-        f"{cfg.mem_fraction:g}",
-        "--skip-tokenizer-init",
-    ]
-    if cfg.return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    if cfg.colocated:
-        cmd.append("--enable-memory-saver")
-    return cmd + list(cfg.extra_server_args)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -80,27 +34,12 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((target, port)) == 0
 
 
-def router_command(cfg: SGLangConfig, worker_urls: list[str]) -> list[str]:
-    """Command line of the sglang-router in front of `worker_urls`."""
-    return [
-        cfg.python,
-        "-m",
-        cfg.router_module,
-        "--worker-urls",
-        *worker_urls,
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.router_port),
-    ]
-
-
 @dataclass
 class ManagedProcess:
     """A process we started, leader of its own process group."""
 
     name: str
-    """Human-readable name used in errors ('SGLang server 0', 'sglang-router')."""
+    """Human-readable name used in errors ('SGLang server 0', 'vLLM server 1', 'sglang-router')."""
     command: list[str]
     """The command line it runs."""
     popen: subprocess.Popen
@@ -160,12 +99,14 @@ class ProcessSupervisor:
         name: str,
         command: list[str],
         *,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         log_path: Path | None = None,
     ) -> ManagedProcess:
-        """Starts `command` in a new process group; output to `log_path` (appended) or inherited."""
+        """Starts `command` in a new process group (environment: ours + `env`, where None unsets a variable);
+        output to `log_path` (appended) or inherited."""
         full_env = dict(os.environ)
         full_env.update(env or {})
+        full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset it for the child
         out: Any = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +154,7 @@ class ProcessSupervisor:
         self._previous = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        logger.warning("signal %d: stopping %d SGLang process(es)", signum, len(self.processes))
+        logger.warning("signal %d: stopping %d server process(es)", signum, len(self.processes))
         self.stop_all()
         previous = self._previous.get(signum, signal.SIG_DFL)
         if callable(previous):

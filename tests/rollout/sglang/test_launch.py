@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.rollout.sglang import SGLangConfig, SGLangEngine
-from megatron_gspo.rollout.sglang_server import ProcessSupervisor, router_command, server_command
+from megatron_gspo.rollout.sglang.launch import router_command, server_command
 from megatron_gspo.rollout.types import SamplingParams
 from tests.distributed import free_port
 
@@ -86,7 +86,7 @@ def test_config_errors_name_the_key(fields, message):
 def launch_config(tmp_path, port: int, *extra: str) -> SGLangConfig:
     return SGLangConfig(
         python=sys.executable,
-        server_module="tests.rollout.fake_sglang",
+        server_module="tests.rollout.sglang.fake_server",
         model_path="fake-model",
         port_base=port,
         server_env={"PYTHONPATH": REPO},
@@ -140,24 +140,9 @@ def test_launch_failure_is_clear_and_leaves_nothing_running(tmp_path):
     assert "failing on purpose" in (tmp_path / "logs" / "sglang_server_0.log").read_text()
 
 
-def test_supervisor_stops_processes_on_sigterm_then_runs_the_previous_handler():
-    calls = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
-    try:
-        supervisor = ProcessSupervisor(grace_s=5)
-        proc = supervisor.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert calls == [signal.SIGTERM]
-        assert proc.popen.poll() is not None and supervisor.processes == []
-        supervisor.close()
-        assert signal.getsignal(signal.SIGTERM) is not supervisor._on_signal
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def test_launch_with_router_sends_generation_through_it(tmp_path):
     cfg = launch_config(tmp_path, free_port())
-    cfg.router, cfg.router_port, cfg.router_module = True, free_port(), "tests.rollout.fake_sglang"
+    cfg.router, cfg.router_port, cfg.router_module = True, free_port(), "tests.rollout.sglang.fake_server"
     engine = SGLangEngine(cfg)
     try:
         procs = [p.popen for p in engine._supervisor.processes]

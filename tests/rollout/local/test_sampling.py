@@ -1,10 +1,10 @@
-"""Sampling math of the local engine (rollout/sampling.py) and its batch planning (rollout/local_decode.py)."""
+"""Sampling math of the local engine (rollout/local/sampling.py) and its batch planning (rollout/local/decode.py)."""
 
 import pytest
 import torch
 
-from megatron_gspo.rollout.local_decode import plan_batches
-from megatron_gspo.rollout.sampling import filter_logits, sample_tokens
+from megatron_gspo.rollout.local.decode import plan_batches
+from megatron_gspo.rollout.local.sampling import filter_logits, sample_tokens
 
 
 def _logits(rows=6, vocab=11, seed=0):

@@ -1,4 +1,4 @@
-"""Async HTTP client for SGLang servers: timeouts, retries with exponential backoff, health polling.
+"""Async HTTP client of every server engine: timeouts, retries with exponential backoff, health polling.
 
 Connection errors, timeouts and the statuses in `RETRYABLE_STATUSES` (5xx, 429) are retried; other 4xx are our
 bug or a real refusal and raise at once. Callers that know a 4xx is transient (e.g. `/flush_cache` answers 400
@@ -16,12 +16,13 @@ from typing import Any
 
 import aiohttp
 
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.rollout.server.errors import (
     RETRYABLE_STATUSES,
-    SGLangConnectionError,
-    SGLangError,
-    SGLangHTTPError,
-    SGLangResponseError,
+    ServerConnectionError,
+    ServerError,
+    ServerHTTPError,
+    ServerResponseError,
+    server_label,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,16 @@ def backoff_delay(base_s: float, attempt: int, cap_s: float = MAX_BACKOFF_S) -> 
     return min(cap_s, base_s * (2**attempt))
 
 
-class SGLangClient:
-    """One aiohttp session shared by all requests to all servers (created lazily inside the running loop)."""
+class HTTPClient:
+    """One aiohttp session shared by all requests to all servers (created lazily inside the running loop).
 
-    def __init__(self, *, timeout_s: float, max_retries: int, backoff_s: float, max_connections: int = 256):
+    `kind` names the engine in every error ('SGLang server http://...: ...').
+    """
+
+    def __init__(
+        self, *, timeout_s: float, max_retries: int, backoff_s: float, max_connections: int = 256, kind: str = ""
+    ):
+        self.kind = kind
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -67,7 +74,7 @@ class SGLangClient:
         method: str = "POST",
         timeout_s: float | None = None,
     ) -> tuple[int, bytes]:
-        """One HTTP exchange; connection failures and timeouts become SGLangConnectionError."""
+        """One HTTP exchange; connection failures and timeouts become ServerConnectionError."""
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         kwargs: dict[str, Any] = {"timeout": timeout}
         if payload is not None:
@@ -75,11 +82,11 @@ class SGLangClient:
         try:
             async with self._get_session().request(method, url + path, **kwargs) as resp:
                 return resp.status, await resp.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             message = f"no answer within {timeout.total:g} s"
-            raise SGLangConnectionError(url, path, message, timed_out=True) from None
+            raise ServerConnectionError(url, path, message, timed_out=True, kind=self.kind) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            raise SGLangConnectionError(url, path, e) from None
+            raise ServerConnectionError(url, path, e, kind=self.kind) from None
 
     async def request(
         self,
@@ -100,9 +107,9 @@ class SGLangClient:
                 status, body = await self.request_once(url, path, payload, method=method, timeout_s=timeout_s)
                 if 200 <= status < 300:
                     return body
-                error: SGLangError = SGLangHTTPError(url, path, status, body.decode("utf-8", "replace"))
+                error: ServerError = ServerHTTPError(url, path, status, body.decode("utf-8", "replace"), kind=self.kind)
                 transient = status in retry_statuses
-            except SGLangConnectionError as e:
+            except ServerConnectionError as e:
                 error, transient = e, True
             if not transient or attempt >= retries:
                 raise error
@@ -124,14 +131,14 @@ class SGLangClient:
         except ValueError:
             return body.decode("utf-8", "replace")
         if isinstance(decoded, dict) and decoded.get("success") is False:
-            raise SGLangResponseError(url, f"{path} failed: {decoded.get('message', decoded)}")
+            raise ServerResponseError(url, f"{path} failed: {decoded.get('message', decoded)}", kind=self.kind)
         return decoded
 
     async def wait_until_healthy(
         self,
         url: str,
         *,
-        path: str = "/health_generate",
+        path: str,
         timeout_s: float,
         poll_s: float = 0.5,
         check_alive: Callable[[], str | None] | None = None,
@@ -145,16 +152,16 @@ class SGLangClient:
         last = "no answer yet"
         while True:
             if check_alive is not None and (dead := check_alive()):
-                raise SGLangError(f"SGLang server {url} did not start: {dead}")
+                raise ServerError(f"{server_label(self.kind, url)} did not start: {dead}")
             try:
                 status, body = await self.request_once(url, path, method="GET", timeout_s=max(5.0, poll_s))
                 if status == 200:
                     return
                 last = f"HTTP {status}"
                 if status not in (502, 503, 504):
-                    raise SGLangHTTPError(url, path, status, body.decode("utf-8", "replace"))
-            except SGLangConnectionError as e:
+                    raise ServerHTTPError(url, path, status, body.decode("utf-8", "replace"), kind=self.kind)
+            except ServerConnectionError as e:
                 last = str(e)
             if time.monotonic() >= deadline:
-                raise SGLangError(f"SGLang server {url} not healthy after {timeout_s:g} s (last: {last})")
+                raise ServerError(f"{server_label(self.kind, url)} not healthy after {timeout_s:g} s (last: {last})")
             await asyncio.sleep(poll_s)

@@ -1,12 +1,9 @@
-"""Moving trainer weights into SGLang servers: bucketing, the `disk` transport and the `distributed` one.
+"""SGLang's weight-update protocol: the `disk` and the `distributed` (NCCL) transports over its endpoints.
 
-Input of both transports: an iterable of (Hugging Face name, full tensor) pairs in a fixed order (the exporter
-gathers TP / EP / PP shards and strips vocab padding; this module never sees Megatron). It is consumed lazily,
-one bucket at a time, so at most about two buckets of exported tensors are alive at once.
+Input of both: buckets of (Hugging Face name, full tensor) pairs in a fixed order (server/buckets.py; the
+exporter gathers TP / EP / PP shards and strips vocab padding; this module never sees Megatron).
 
-- disk: each bucket becomes one safetensors shard in a hidden temporary directory next to the target, with a
-  `model.safetensors.index.json`; the directory is renamed into place (atomic: the final path only ever
-  appears complete), then every server gets `POST /update_weights_from_disk {model_path, weight_version}`.
+- disk: the buckets become a safetensors directory (server/transport.py, atomic), then every server gets `POST /update_weights_from_disk {model_path, weight_version}`.
 - distributed: once, `POST /init_weights_update_group` to every server while the trainer joins the same group
   as rank 0 (SGLang's servers join with `init_custom_process_group`: a TCP store at
   master_address:master_port, world size = 1 + the servers' GPUs, the trainer hosting the store). Per bucket:
@@ -19,141 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
-import os
-import shutil
-import threading
-import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 
-NamedTensor = tuple[str, torch.Tensor]
+from megatron_gspo.rollout.server.buckets import NamedTensor, dtype_name, with_last
+from megatron_gspo.rollout.server.concurrency import all_or_first_error, in_daemon_thread
+from megatron_gspo.rollout.server.transport import write_checkpoint_dir
+
 Post = Callable[[str, str, dict], Awaitable[Any]]
 """(server url, path, JSON payload) -> decoded answer; raises on failure."""
 
-T = TypeVar("T")
-
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of the tensor's elements."""
-    return tensor.numel() * tensor.element_size()
-
-
-def iter_buckets(
-    named_tensors: Iterable[NamedTensor] | Mapping[str, Any], bucket_bytes: int
-) -> Iterator[list[NamedTensor]]:
-    """Groups named tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor travels alone).
-
-    A mapping (name -> tensor, e.g. export_hf_state_dict's dict) is taken in its iteration order.
-    Raises on a name seen twice or a value that is not a tensor (exporter bugs that would lose weights).
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    if isinstance(named_tensors, Mapping):
-        named_tensors = named_tensors.items()
-    seen: set[str] = set()
-    bucket: list[NamedTensor] = []
-    size = 0
-    for name, tensor in named_tensors:
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            kind = type(tensor).__name__
-            raise TypeError(f"weight exporter yielded ({name!r}, {kind}); expected (str, Tensor)")
-        if name in seen:
-            raise ValueError(f"weight exporter yielded {name!r} twice")
-        seen.add(name)
-        nbytes = tensor_nbytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
-    """(item, is_last) pairs, looking one item ahead."""
-    it = iter(items)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for following in it:
-        yield current, False
-        current = following
-    yield current, True
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """SGLang's spelling of a dtype ('bfloat16'; it resolves names with getattr(torch, name))."""
-    return str(dtype).removeprefix("torch.")
-
 
 # ------------------------------------------------------------------------------------------ disk transport
-
-
-def write_checkpoint_dir(buckets: Iterable[list[NamedTensor]], target: Path) -> list[str]:
-    """Writes the buckets as safetensors shards + index into `target`, atomically; returns the names written.
-
-    Everything goes to a hidden sibling directory first (fsynced), which is renamed to `target` at the end; on
-    any error the temporary directory is removed and `target` is untouched. An existing `target` is replaced.
-    """
-    from safetensors.torch import save_file
-
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    names: list[str] = []
-    weight_map: dict[str, str] = {}
-    total = 0
-    try:
-        for i, bucket in enumerate(buckets):
-            shard = f"model-{i + 1:05d}.safetensors"
-            # copy=True: safetensors refuses tensors that share storage (views of one fused parameter).
-            tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in bucket}
-            save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-            _fsync_file(tmp / shard)
-            for name, t in tensors.items():
-                weight_map[name] = shard
-                names.append(name)
-                total += tensor_nbytes(t)
-        if not names:
-            raise ValueError("weight exporter yielded no tensors")
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
-        _fsync_file(tmp / INDEX_FILE)
-        _fsync_dir(tmp)
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return names
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 async def push_disk(
@@ -305,7 +182,7 @@ async def init_update_group(
         )
         for i, url in enumerate(urls)
     ]
-    await _all_or_first_error([joining, *requests])
+    await all_or_first_error([joining, *requests])
     return joining.result()
 
 
@@ -339,50 +216,10 @@ async def push_distributed(
         path = "/update_weights_from_distributed"
         requests = [asyncio.ensure_future(post(url, path, payload)) for url in urls]
         sending = asyncio.ensure_future(in_daemon_thread(broadcast_bucket, group, bucket))
-        await _all_or_first_error([sending, *requests])
+        await all_or_first_error([sending, *requests])
         names_sent.extend(payload["names"])
     if not names_sent:
         raise ValueError("weight exporter yielded no tensors")
     return names_sent
 
 
-async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Runs a blocking call (a group join, a broadcast) in a daemon thread: if the other side never shows up,
-    the thread waits out the group's timeout without keeping the process from exiting (unlike to_thread)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args, **kwargs), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop was closed meanwhile: nobody waits for this any more
-            pass
-
-    name = f"sglang-weight-sync-{getattr(fn, '__name__', 'call')}"
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return await future
-
-
-async def _all_or_first_error(futures: list[asyncio.Future]) -> None:
-    """Waits for all; on the first failure cancels the others and raises it (a thread blocked in a collective
-    cannot be cancelled: it ends at the group's timeout)."""
-    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-    for fut in done:
-        if fut.exception() is not None:
-            for other in pending:
-                other.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=1.0)
-            raise fut.exception()  # type: ignore[misc]

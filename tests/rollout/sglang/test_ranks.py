@@ -79,5 +79,57 @@ def test_two_ranks_rank0_leads_every_rank_generates(fake_servers, tmp_path):
     assert server.paths().count("/update_weights_from_disk") == 1  # only the leader pushed
     assert torch.equal(server.weights["w"], torch.full((2,), 3.0))
     assert f"SGLang server {dead.url} not healthy" in results[0]["error"]
-    relayed = f"rank 0 could not start the SGLang engine: SGLangError: SGLang server {dead.url}"
+    relayed = f"rank 0 could not start the SGLang engine: ServerError: SGLang server {dead.url}"
     assert results[1]["error"].startswith(relayed)
+
+
+def _tensor_parallel_main(url: str, sync_dir: str) -> dict:
+    """TP=2 (one model replica on both ranks): each rank builds the engine as the trainer does."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.parallel import ParallelConfig, initialize
+
+    initialize(ParallelConfig(tp=2, sequence_parallel=True), seed=5)
+    options = dict(mode="attach", urls=[url], weight_sync="disk", weight_sync_dir=sync_dir, backoff_s=0.01)
+    engine = make_sglang_engine(runtime(options), exporter=collective_exporter)
+    try:
+        rollouts = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, n=2, seed=11))
+        seeds = [r.extra["sampling_seed"] for r in rollouts]
+        return {
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "tokens": [r.response_ids for r in rollouts],
+            "logprobs": [r.logprobs for r in rollouts],
+            "seeds": seeds,
+        }
+    finally:
+        engine.close()
+
+
+def test_tensor_parallel_peers_train_on_identical_rollouts(fake_servers, tmp_path):
+    """Issue 12 item 8: the server answers every request differently; both TP ranks must still see one set of
+    rollouts (one rank per model-parallel group generates and broadcasts)."""
+    (server,) = fake_servers(1)
+    server.vary_per_request = True
+    results = run_distributed(_tensor_parallel_main, server.url, str(tmp_path), world_size=2, timeout=180)
+    assert [r["tp_rank"] for r in results] == [0, 1]
+    assert results[0]["tokens"] == results[1]["tokens"] and results[0]["logprobs"] == results[1]["logprobs"]
+    assert results[0]["seeds"] == results[1]["seeds"]
+    assert server.generate_count == 4  # generated once, by the replica's source rank
+
+
+def _data_parallel_seeds(url: str) -> list[int]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    engine = make_sglang_engine(runtime(dict(mode="attach", urls=[url], backoff_s=0.01)), exporter=collective_exporter)
+    try:
+        rollouts = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, n=2, seed=11))
+        return [r.extra["sampling_seed"] for r in rollouts]
+    finally:
+        engine.close()
+
+
+def test_request_seeds_include_the_data_parallel_rank(fake_servers):
+    (server,) = fake_servers(1)
+    rank0, rank1 = run_distributed(_data_parallel_seeds, server.url, world_size=2, timeout=120)
+    assert len(set(rank0 + rank1)) == 4  # the same prompt on two DP replicas gets independent samples

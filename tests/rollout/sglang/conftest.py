@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from megatron_gspo.rollout.sglang import SGLangConfig, SGLangEngine
-from tests.rollout.fake_sglang import FakeSGLang
+from tests.rollout.sglang.fake_server import FakeSGLang
 
 
 @pytest.fixture

@@ -16,87 +16,37 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from megatron_gspo.rollout.types import Rollout, SamplingParams, compact_expert_dtype
+from megatron_gspo.rollout.server.errors import ServerResponseError
+from megatron_gspo.rollout.server.errors import parse_json_body as parse_server_json
+from megatron_gspo.rollout.server.seeds import derive_sampling_seed
+from megatron_gspo.rollout.types import Rollout, RoutingSpec, SamplingParams, compact_expert_dtype
 
-RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
-"""HTTP statuses worth retrying: overload, internal errors, a server starting or going away."""
+__all__ = [
+    "KIND",
+    "RoutingSpec",
+    "SGLangResponseError",
+    "build_generate_payload",
+    "decode_generate_response",
+    "decode_routed_experts",
+    "derive_sampling_seed",
+    "parse_json_body",
+    "parse_weight_version",
+]
 
-_MASK64 = (1 << 64) - 1
-
-
-class SGLangError(RuntimeError):
-    """Base class of every error the SGLang engine raises."""
-
-    retryable: bool = False
-
-
-class SGLangConnectionError(SGLangError):
-    """The server could not be reached, dropped the connection, or did not answer in time."""
-
-    retryable = True
-
-    def __init__(self, url: str, path: str, cause: BaseException | str, *, timed_out: bool = False):
-        self.url, self.path, self.timed_out = url, path, timed_out
-        detail = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
-        super().__init__(f"SGLang server {url}{path}: {detail}")
+KIND = "SGLang"
 
 
-class SGLangHTTPError(SGLangError):
-    """The server answered with a non-2xx status."""
-
-    def __init__(self, url: str, path: str, status: int, body: str):
-        self.url, self.path, self.status, self.body = url, path, status, body
-        self.retryable = status in RETRYABLE_STATUSES
-        snippet = " ".join(body.split())[:300]
-        super().__init__(f"SGLang server {url}{path} answered HTTP {status}: {snippet}")
-
-
-class SGLangResponseError(SGLangError):
-    """A 2xx response whose body does not have the documented shape (one line: server URL + the problem)."""
+class SGLangResponseError(ServerResponseError):
+    """A 2xx SGLang response whose body does not have the documented shape."""
 
     def __init__(self, url: str, problem: str, *, retryable: bool = False):
-        self.url, self.problem = url, problem
-        self.retryable = retryable
-        super().__init__(f"SGLang server {url}: {problem}")
-
-
-class SGLangGenerateError(SGLangError):
-    """A sample could not be produced within the retry budget; no partial batch is ever returned."""
-
-
-class StaleWeightsError(SGLangError):
-    """A server produced a sample with weights older than the engine's current version."""
-
-
-@dataclass(frozen=True)
-class RoutingSpec:
-    """Shape and range of a routed-experts record."""
-
-    num_layers: int
-    """MoE layers L."""
-    topk: int
-    """Experts per token K."""
-    num_experts: int
-    """Expert ids must lie in [0, num_experts)."""
-
-
-def derive_sampling_seed(seed: int, index: int) -> int:
-    """A well-mixed per-request seed in [0, 2**31) from the call's seed and the request index (splitmix64).
-
-    Neighbouring (seed, index) pairs give unrelated seeds, so step s + 1 never replays a sample of step s.
-    """
-    z = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & 0x7FFFFFFF
+        super().__init__(url, problem, retryable=retryable, kind=KIND)
 
 
 def build_generate_payload(
@@ -131,13 +81,11 @@ def build_generate_payload(
 
 
 def parse_json_body(raw: bytes, url: str, path: str) -> Any:
-    """Decodes a response body; malformed JSON is a (retryable: the body may be truncated) one-line error."""
+    """Decodes a response body; malformed JSON is a (retryable) one-line error naming the SGLang server."""
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        snippet = raw[:80].decode("utf-8", "replace")
-        problem = f"{path} returned malformed JSON ({e.__class__.__name__}: {e}); body starts {snippet!r}"
-        raise SGLangResponseError(url, problem, retryable=True) from None
+        return parse_server_json(raw, url, path)
+    except ServerResponseError as e:
+        raise SGLangResponseError(url, e.problem, retryable=True) from None
 
 
 def parse_weight_version(value: Any, url: str) -> int:
@@ -266,5 +214,5 @@ def decode_generate_response(
         prompt_index=prompt_index,
         routed_experts=experts,
         weight_version=version,
-        extra={"server": url, "rid": meta.get("id")},
+        extra={"server": url, "rid": meta.get("id"), "abort_reason": meta.get("finish_reason")},
     )
