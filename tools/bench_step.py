@@ -7,9 +7,12 @@ Every variant runs in its own fresh subprocess (peak memory is that variant's al
 - CUDA: `torch.cuda.max_memory_allocated()`; "working" = peak minus the allocation before the first forward.
 Each variant runs one untimed warm-up update, then `--iters` timed ones, on the same weights and batch (the
 training code of the trainer: training/micro_batches.py, training/batch.py forward steps, engine.forward_backward,
-megatron's optimizer). The batch: `--sequences` rollouts of a `--prompt`-token prompt and a response whose length
+megatron's optimizer). The variants take turns for `--rounds` rounds (a fresh subprocess each time) and each
+keeps its best update time: on a shared machine the load drifts, and turns expose every variant to it alike. The batch: `--sequences` rollouts of a `--prompt`-token prompt and a response whose length
 is spread log-uniformly between 1/16 and 1 of `--max-response` (mean about 0.3 of it), random token ids.
-tokens/s counts the batch's real tokens (prompt + response) once per update.
+tokens/s counts the batch's real tokens (prompt + response) once per update, per second of wall time and per
+second of the process's CPU time (user + system, all threads: `time.process_time()`), which a loaded machine
+disturbs far less than wall time.
 
 Variants (`--variants`, comma-separated):
   padded         rows padded to prompt + max response, megatron's output layer (logits), the reference
@@ -146,14 +149,16 @@ def _worker(args) -> dict:
         else:
             base = _rss_bytes()
         update()  # warm-up
-        times = []
+        times, cpu = [], []
         for _ in range(args.iters):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             update()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_bytes()
         tokens = int((batch.prompt_lens_N + batch.response_lens_N).sum())
-        return dict(variant=args.worker, seconds=min(times), tokens=tokens, peak_bytes=peak, base_bytes=base,
+        return dict(variant=args.worker, seconds=min(times), cpu_seconds=min(cpu), tokens=tokens, peak_bytes=peak,
+                    base_bytes=base,
                     micro_batches=len(batcher.plan(batch.split(args.minibatches)[0])))
     finally:
         shutdown()
@@ -186,16 +191,20 @@ def _report(args, results: list[dict]) -> None:
         f"{sum(lengths) / len(lengths) / args.max_response:.2f} of the max {args.max_response}); K={args.minibatches} "
         f"minibatches, micro-batch {args.micro_batch_size} rows (packed: a budget of as many tokens); model hidden "
         f"{args.hidden}, {args.layers} layers, {args.experts} experts top-{args.topk}, vocab {args.vocab}, "
-        f"{args.dtype} on {args.device} ({args.threads} threads); best of {args.iters} update(s) after a warm-up"
+        f"{args.dtype} on {args.device} ({args.threads} threads); best of {args.rounds} round(s) x {args.iters} "
+        "update(s), each after a warm-up"
     )
-    header = f"| variant | update s | tokens/s | micro-batches per minibatch | {mem} GiB | working GiB |"
+    header = (f"| variant | update s (best) | update s (every round) | tokens/s | CPU s | tokens per CPU s | "
+              f"micro-batches per minibatch | {mem} GiB | working GiB |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for r in results:
         if "error" in r:
             print(f"| {r['variant']} | failed: {r['error']} |")
             continue
-        cells = [r["variant"], f"{r['seconds']:.2f}", f"{r['tokens'] / r['seconds']:.0f}", str(r["micro_batches"]),
+        every = " / ".join(f"{x:.1f}" for x in r.get("all_seconds", [r["seconds"]]))
+        cells = [r["variant"], f"{r['seconds']:.2f}", every, f"{r['tokens'] / r['seconds']:.0f}",
+                 f"{r['cpu_seconds']:.1f}", f"{r['tokens'] / r['cpu_seconds']:.0f}", str(r["micro_batches"]),
                  _gib(r["peak_bytes"]), _gib(r["peak_bytes"] - r["base_bytes"])]
         print("| " + " | ".join(cells) + " |")
     ok = [r for r in results if "error" not in r]
@@ -207,9 +216,11 @@ def _report(args, results: list[dict]) -> None:
         if r is base:
             continue
         speed = base["seconds"] / r["seconds"]
+        per_cpu = base["cpu_seconds"] / r["cpu_seconds"]
         peak = r["peak_bytes"] / base["peak_bytes"]
         working = (r["peak_bytes"] - r["base_bytes"]) / max(1, base["peak_bytes"] - base["base_bytes"])
-        print(f"  {r['variant']}: tokens/s x{speed:.2f}, {mem} x{peak:.2f}, working memory x{working:.2f}")
+        print(f"  {r['variant']}: tokens/s x{speed:.2f} (wall), x{per_cpu:.2f} (per CPU second), {mem} x{peak:.2f}, "
+              f"working memory x{working:.2f}")
 
 
 def main(argv=None) -> None:
@@ -219,7 +230,8 @@ def main(argv=None) -> None:
         kind = str if isinstance(value, str) else int
         parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind)
     parser.add_argument("--variants", default="padded,packed", help=f"comma-separated subset of {list(VARIANTS)}")
-    parser.add_argument("--iters", type=int, default=2, help="timed updates after the warm-up (the best counts)")
+    parser.add_argument("--iters", type=int, default=1, help="timed updates after the warm-up (the best counts)")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (fresh subprocesses)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -234,13 +246,24 @@ def main(argv=None) -> None:
     if args.worker:
         print(json.dumps(_worker(args)), flush=True)
         return
-    results = []
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    for variant in variants:
         if variant not in VARIANTS:
             parser.error(f"--variants: {variant!r} is not one of {list(VARIANTS)}")
-        print(f"running {variant} ...", file=sys.stderr, flush=True)
-        results.append(_run_variant(args, variant))
-    _report(args, results)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for variant in variants:
+            print(f"round {r + 1}/{args.rounds}: {variant} ...", file=sys.stderr, flush=True)
+            runs[variant].append(_run_variant(args, variant))
+    best = {}
+    for variant, got in runs.items():
+        ok = [g for g in got if "error" not in g]
+        if not ok:
+            best[variant] = got[-1]
+            continue
+        best[variant] = dict(min(ok, key=lambda g: g["seconds"]), all_seconds=[g["seconds"] for g in ok],
+                             cpu_seconds=min(g["cpu_seconds"] for g in ok), peak_bytes=max(g["peak_bytes"] for g in ok))
+    _report(args, [best[v] for v in variants])
 
 
 if __name__ == "__main__":
