@@ -21,6 +21,9 @@
 #   device-1gpu  tools/gpu_device_check.py: one RL step and one SFT step (bf16) with every model input checked to be
 #                on CUDA (fails on any tensor reaching the model from the host)
 #   device-2gpu  the same under torchrun on 2 GPUs with tp=2 (sequence parallel): the RL step of a TP=2 model  (>= 2 GPUs)
+#   packed       tools/gpu_packed_check.py: packed THD micro-batches on the machine's spec (TE: TEDotProductAttention
+#                THD) vs padded rows: cu_seqlens int32 on the GPU, old log-probs and one R2 RL update (packed + fused
+#                log-probs vs padded + logits, bf16), an optimizer step
 #   sglang-*     SGLang rollouts (needs SGLANG_PYTHON: an environment where `import sglang` works):
 #                sglang-sft (a few SFT steps -> model checkpoint), sglang-hf (convert megatron-to-hf),
 #                sglang-rl (2 RL steps with rollout.engine=sglang: one server launched by the trainer with
@@ -113,7 +116,8 @@ summary() {
     exit "$failed"
 }
 
-GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu device-1gpu device-2gpu sglang-sft sglang-hf sglang-rl)
+GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu device-1gpu device-2gpu packed sglang-sft sglang-hf
+    sglang-rl)
 skip_rest() {  # reason, parts...
     local reason="$1" p
     shift
@@ -215,6 +219,9 @@ if ((NGPU >= 2)); then
 else
     skip device-2gpu "needs >= 2 GPUs (found $NGPU)"
 fi
+
+# ---- (b'') packed THD micro-batches on the GPU spec (the CPU proof: tests/training/test_packed_update.py) ---------
+run_part packed 150 --expect '^packed check: OK' "$PYTHON" tools/gpu_packed_check.py
 
 # ---- (c) SGLang rollouts ---------------------------------------------------------------------------------------
 SGLANG_PARTS=(sglang-sft sglang-hf sglang-rl)

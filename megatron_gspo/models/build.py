@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_gspo.models import spec
 from megatron_gspo.models.config import ModelConfig
+from megatron_gspo.models.gpt import Qwen3MoEModel
 from megatron_gspo.models.spec import qwen3_moe_block_spec
 from megatron_gspo.parallel.config import ParallelConfig
 
@@ -200,8 +200,9 @@ def resolve_use_te(options: BuildOptions) -> bool:
 
 def build_model(
     model: ModelConfig, parallel: ParallelConfig, options: BuildOptions | None = None
-) -> list[GPTModel]:
-    """GPTModel chunks of this rank (one per virtual pipeline stage) with the Qwen3-MoE architecture.
+) -> list[Qwen3MoEModel]:
+    """GPTModel chunks (`Qwen3MoEModel`: hidden states on request) of this rank (one per virtual pipeline stage)
+    with the Qwen3-MoE architecture.
 
     Requires `megatron_gspo.parallel.initialize` to have set up the process groups for `parallel`.
     """
@@ -218,7 +219,7 @@ def build_model(
         spec = qwen3_moe_block_spec(model.num_experts, n_local, use_te)
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        chunk = GPTModel(
+        chunk = Qwen3MoEModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(model.vocab_size, parallel.tp),

@@ -13,8 +13,10 @@ non-per-token path does exactly this). Under `calculate_per_token_loss` megatron
 the tokens this router sees in the micro-batch (mbs * seq_len / TP under sequence parallelism), relying on U being
 the same token count, which our units are not: with sequences as units the gradient would come out as
 (seq_len / TP) * mean, with loss tokens as units as (all tokens / loss tokens) / TP * mean. This router attaches
-aux_m * w with w = U / (M * DP) (set by `engine.forward_backward` from the units it is given), so that after the
-division by U the gradient is the mean over micro-batches whatever the micro-batch size, the unit or the layout.
+aux_m * w with w = U / (M * DP) (set by `engine.forward_backward` from the units it is given; M * DP is the number of
+micro-batches of all data-parallel ranks, summed when token-budget micro-batching gives ranks different counts),
+so that after the division by U the gradient is the mean over micro-batches whatever the micro-batch size, the
+unit or the layout.
 """
 
 from __future__ import annotations

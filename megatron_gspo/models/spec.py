@@ -8,6 +8,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_gspo.models.attention import PackedDotProductAttention
 from megatron_gspo.models.norm import RMSNorm
 from megatron_gspo.models.router import MicroBatchMeanAuxRouter
 
@@ -24,11 +25,14 @@ except Exception as _err:  # noqa: BLE001 - any import failure means "no TE"; bu
     TE_IMPORT_ERROR = f"{type(_err).__name__}: {_err}"
 
 
-def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Swaps the local spec's torch norms for our sequence-parallel-capable RMSNorm."""
+def _with_local_modules(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Swaps the local spec's torch norms for our sequence-parallel-capable RMSNorm and its core attention for one
+    that also runs packed (THD) sequences (models/attention.py)."""
     sub = layer_spec.submodules
     attn = sub.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm)
+    attn_sub = dataclasses.replace(
+        attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm, core_attention=PackedDotProductAttention
+    )
     new_attn = ModuleSpec(module=attn.module, params=attn.params, submodules=attn_sub)
     new_sub = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=new_attn)
     return ModuleSpec(module=layer_spec.module, params=layer_spec.params, submodules=new_sub)
@@ -49,7 +53,7 @@ def qwen3_moe_block_spec(num_experts: int, num_local_layers: int, use_te: bool) 
         )
         final_norm = TENorm
     else:
-        layer = _with_local_norms(
+        layer = _with_local_modules(
             get_gpt_layer_local_spec(
                 num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
             )

@@ -10,16 +10,25 @@ token predicts nothing); later positions are padding, kept out of the router's s
 Devices: `pack_rollouts` builds the batch on the host (from Python lists); `RolloutBatch.to(device)` moves it to
 the model's device once, and everything the forward passes make from it (position ids, padding mask, labels)
 follows the tokens' device.
+
+A micro-batch is a `RolloutBatch` of its sequences (padded [n, L] tensors: what the losses read) plus the model
+inputs it is fed as (`inputs`: padded rows or one packed THD row, training/packing.py; built by the micro-batcher,
+training/micro_batches.py). The log-probs of its response tokens come from the logits or, fused, from the final
+hidden states (training/logprobs.py), scattered back into [n, S] for the losses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from megatron_gspo.rollout.types import Rollout
+
+if TYPE_CHECKING:
+    from megatron_gspo.training.packing import ModelInputs
 
 
 @dataclass
@@ -43,6 +52,9 @@ class RolloutBatch:
     extra: dict = field(default_factory=dict)
     rollouts: list | None = None
     """The Rollout objects of the whole batch, in row order (not carried into sub-batches)."""
+    inputs: ModelInputs | None = None
+    """A micro-batch's model inputs (padded or packed; set by the micro-batcher, not carried into sub-batches).
+    None: its padded rows as they are."""
 
     @property
     def num_sequences(self) -> int:
@@ -206,7 +218,7 @@ def sequence_parallel_slice(mask_NS: torch.Tensor, tp_rank: int, tp_size: int) -
 
 
 def model_forward(model, tokens_NL: torch.Tensor, input_lens_N: torch.Tensor | None):
-    """The model's forward on a padded micro-batch (every training, old-log-prob and SFT forward goes here).
+    """The model's forward on padded rows (SFT; the RL passes use `forward_inputs`).
 
     Inputs are tokens_NL[:, :-1] with position ids 0..S-1 and the padding mask, all on the tokens' device (the
     model's, once the batch was moved there). Returns the model output (LM-head logits on the last stage).
@@ -215,6 +227,27 @@ def model_forward(model, tokens_NL: torch.Tensor, input_lens_N: torch.Tensor | N
     positions_NS = torch.arange(ids_NS.shape[1], device=ids_NS.device).unsqueeze(0).expand(ids_NS.shape[0], -1)
     mask_NS = _stage_padding_mask(padding_mask(tokens_NL, input_lens_N), model)
     return model(ids_NS, positions_NS, None, padding_mask=mask_NS)
+
+
+def forward_inputs(model, inputs: ModelInputs, *, hidden_states: bool = False):
+    """The model's forward on a micro-batch's `ModelInputs` (every RL training and old-log-prob forward).
+
+    Packed inputs pass their THD `packed_seq_params`; `hidden_states=True` makes the last stage return the final
+    hidden states [P(/TP), B, H] instead of logits [B, P, V_local] (models/gpt.py).
+    """
+    kwargs = {"padding_mask": _stage_padding_mask(inputs.padding_mask_BP, model)}
+    if inputs.packed_seq_params is not None:
+        kwargs["packed_seq_params"] = inputs.packed_seq_params
+    if hidden_states:
+        kwargs["output_hidden_states"] = True
+    return model(inputs.input_ids_BP, inputs.position_ids_BP, None, **kwargs)
+
+
+def micro_batch_inputs(mb: RolloutBatch) -> ModelInputs:
+    """The micro-batch's model inputs (its padded rows when the micro-batcher set none)."""
+    from megatron_gspo.training.packing import padded_inputs
+
+    return mb.inputs if mb.inputs is not None else padded_inputs(mb)
 
 
 def token_logprobs_from_logits(
@@ -257,25 +290,33 @@ def policy_units(loss_fn):
     return lambda mb: mb.num_sequences
 
 
-def policy_forward_step(loss_fn, vocab_size: int, temperature: float, before_forward=None):
+def policy_forward_step(
+    loss_fn, vocab_size: int, temperature: float, before_forward=None, *, logprob_path: str = "logits"
+):
     """The forward step megatron's schedule calls per micro-batch during a policy update.
 
     Its loss function returns (sum of per-unit losses, number of units, metrics), the unit being what the
     objective averages over: sequences (GSPO, GSPO-token, GRPO seq-mean-token-mean) or tokens (GRPO token-mean).
     With `calculate_per_token_loss` megatron divides the gradient by the global number of units, so the update is
     exactly that of the full minibatch's mean loss (training/engine.py). `before_forward(mb)` runs right before
-    each micro-batch's model forward (routing replay selects that micro-batch's routes there).
+    each micro-batch's model forward (routing replay selects that micro-batch's routes there). `logprob_path`:
+    fused (hidden states -> response-token log-probs) or logits (training/logprobs.py).
     """
+    from megatron_gspo.training.engine import unwrap
+    from megatron_gspo.training.logprobs import response_logprobs, scatter_to_rows
+
     units_of = policy_units(loss_fn)
 
     def forward_step(mb: RolloutBatch, model):
-        labels = mb.tokens_NL[:, 1:]
+        inputs = micro_batch_inputs(mb)
         if before_forward is not None:
             before_forward(mb)
-        out = model_forward(model, mb.tokens_NL, mb.input_lens_N)
+        out = forward_inputs(model, inputs, hidden_states=logprob_path == "fused")
 
-        def reduce(logits):
-            lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab_size, temperature)
+        def reduce(output):
+            lp = response_logprobs(
+                output, inputs, unwrap(model), path=logprob_path, vocab_size=vocab_size, temperature=temperature
+            )
             if loss_fn.sequence_level:
                 old_sum = (mb.old_logprobs_NS * mb.loss_mask_NS).sum(-1)
                 res = loss_fn.from_sums(lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N, num_sequences=1)
@@ -283,11 +324,34 @@ def policy_forward_step(loss_fn, vocab_size: int, temperature: float, before_for
                 adv = mb.advantages_N
                 if mb.extra.get("token_weights_NS") is not None:
                     adv = adv[:, None] * mb.extra["token_weights_NS"]
-                res = loss_fn(
-                    lp.token_logprobs, mb.old_logprobs_NS, adv, mb.loss_mask_NS, num_sequences=1, num_tokens=1
-                )
-            units = torch.tensor(units_of(mb), dtype=torch.int, device=labels.device)
+                token_NS = scatter_to_rows(lp.token_logprobs, mb.loss_mask_NS)
+                res = loss_fn(token_NS, mb.old_logprobs_NS, adv, mb.loss_mask_NS, num_sequences=1, num_tokens=1)
+            units = torch.tensor(units_of(mb), dtype=torch.int, device=mb.tokens_NL.device)
             return res.loss, units, {k: v.detach() for k, v in res.metrics.items()}
+
+        return out, reduce
+
+    return forward_step
+
+
+def logprob_forward_step(vocab_size: int, temperature: float, before_forward=None, *, logprob_path: str = "logits"):
+    """The forward-only step of the old-policy (and drift) pass: per-token log-probs [n, S] of each micro-batch
+    (no autograd: the fused path then keeps no hidden states, lse or logits)."""
+    from megatron_gspo.training.engine import unwrap
+    from megatron_gspo.training.logprobs import response_logprobs, scatter_to_rows
+
+    def forward_step(mb: RolloutBatch, model):
+        inputs = micro_batch_inputs(mb)
+        if before_forward is not None:
+            before_forward(mb)
+        out = forward_inputs(model, inputs, hidden_states=logprob_path == "fused")
+
+        def reduce(output):
+            lp = response_logprobs(
+                output, inputs, unwrap(model), path=logprob_path, vocab_size=vocab_size, temperature=temperature
+            )
+            token_NS = scatter_to_rows(lp.token_logprobs.detach(), mb.loss_mask_NS)
+            return output.sum() * 0.0, {"token_logprobs": token_NS}
 
         return out, reduce
 

@@ -132,7 +132,21 @@ class TrainerConfig:
     minibatches: int = 4
     """Optimizer steps per rollout batch (paper §5.1: 4)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward micro-batch."""
+    """Sequences per forward/backward micro-batch (without a token budget)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per micro-batch (input tokens; slime's max-tokens-per-gpu, verl's dynamic batch size): the
+    sequences of a minibatch go into balanced micro-batches of at most this many tokens, as many as needed
+    (the same count on every data-parallel rank). 0 = micro_batch_size sequences per micro-batch. Needs
+    batch_layout=packed."""
+    batch_layout: str = "packed"
+    """packed: the sequences of a micro-batch concatenated into one THD row (no padding compute) | padded: one
+    row per sequence, padded to the longest possible (the reference)."""
+    balance_data_parallel: bool = True
+    """With batch_layout=packed and data parallelism: re-deal each minibatch's sequences over the replicas for
+    balanced token counts (same sequence count each; training/dp_balance.py)."""
+    logprob_path: str = "fused"
+    """fused: log-probs of response tokens from the final hidden states, without [tokens, vocab] logits |
+    logits: megatron's output layer materialises all logits (the reference)."""
     seed: int = 1234
     """Seed for model init, sampling and data order."""
     run_dir: str = "runs/gspo"
@@ -157,6 +171,14 @@ class TrainerConfig:
             raise ValueError(f"trainer.ckpt_every={self.ckpt_every} must be >= 0")
         if not self.hang_warning_s >= 0:
             raise ValueError(f"trainer.hang_warning_s={self.hang_warning_s} must be >= 0 (0 disables)")
+        if self.batch_layout not in ("packed", "padded"):
+            raise ValueError(f"trainer.batch_layout={self.batch_layout!r} must be packed or padded")
+        if self.logprob_path not in ("fused", "logits"):
+            raise ValueError(f"trainer.logprob_path={self.logprob_path!r} must be fused or logits")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0")
+        if self.max_tokens_per_micro_batch and self.batch_layout != "packed":
+            raise ValueError("trainer.max_tokens_per_micro_batch needs trainer.batch_layout=packed")
 
 
 @dataclass

@@ -99,8 +99,9 @@ def forward_backward(
 ) -> list:
     """Runs `forward_step(batch, model) -> (output, loss_func)` over `micro_batches` with megatron's schedule.
 
-    Returns the loss functions' reduced outputs (last pipeline stage; empty list elsewhere). Every micro-batch
-    must have `seq_length` tokens per row on the CPU path (the allgather dispatcher needs fixed p2p shapes).
+    Returns the loss functions' reduced outputs (last pipeline stage; empty list elsewhere). With pipeline
+    parallelism on the CPU path every micro-batch must have `seq_length` x `micro_batch_size` tokens (fixed p2p
+    shapes: megatron refuses `variable_seq_lengths` with the allgather dispatcher; training/micro_batches.py).
     `units_of(micro_batch)` is the number of loss units that micro-batch's loss function returns; a training pass
     needs it when the model has the load-balancing loss on (`router_aux_loss_coef > 0`), and when given, the
     global count megatron divides the gradients by is checked against it.
@@ -126,9 +127,8 @@ def forward_backward(
             for p in m.parameters():
                 p.grad = None
         if units_of is not None:
-            units = _global_units(chunks, micro_batches, units_of)
-            dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-            set_aux_loss_weight(chunks, units / (len(micro_batches) * dp))
+            units, num_micro = _global_units(chunks, micro_batches, units_of)
+            set_aux_loss_weight(chunks, units / num_micro)
             config.finalize_model_grads_func = _checked_finalize(finalize, units)
         elif (config.moe_aux_loss_coeff or 0) > 0:
             raise ValueError(
@@ -151,13 +151,16 @@ def forward_backward(
             set_aux_loss_weight(chunks, None)
 
 
-def _global_units(chunks: list, micro_batches: Sequence, units_of: Callable) -> int:
-    """Loss units of `micro_batches` summed over this rank and every data-parallel rank (one scalar all-reduce)."""
+def _global_units(chunks: list, micro_batches: Sequence, units_of: Callable) -> tuple[int, int]:
+    """(loss units, micro-batches) of `micro_batches` summed over this rank and every data-parallel rank (one
+    all-reduce): the aux-loss weight U / (micro-batches of all replicas) holds whatever each replica's count."""
     device = next(unwrap(chunks[0]).parameters()).device
-    local = torch.tensor(sum(int(units_of(mb)) for mb in micro_batches), dtype=torch.int64, device=device)
+    units = sum(int(units_of(mb)) for mb in micro_batches)
+    local = torch.tensor([units, len(micro_batches)], dtype=torch.int64, device=device)
     if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         torch.distributed.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
-    return int(local.item())
+    total_units, total_micro = local.tolist()
+    return int(total_units), int(total_micro)
 
 
 def _checked_finalize(finalize: Callable, expected_units: int) -> Callable:

@@ -43,10 +43,15 @@ class RoutingControl:
         return self.rr is not None
 
     def before_forward(self, mb: RolloutBatch) -> None:
+        """Declares where the micro-batch's sequences sit in the model input (padded rows or a packed row), so the
+        routes of each token follow it through micro-batching, sequence-parallel splits and pipeline stages."""
         if self.rr is None:
             return
-        lengths = (mb.prompt_lens_N + mb.response_lens_N - 1).tolist()
-        self.rr.set_microbatch(mb.seq_index_N.tolist(), TokenLayout.padded(lengths, self.seq_len))
+        if mb.inputs is not None:
+            layout = mb.inputs.token_layout
+        else:
+            layout = TokenLayout.padded((mb.prompt_lens_N + mb.response_lens_N - 1).tolist(), self.seq_len)
+        self.rr.set_microbatch(mb.seq_index_N.tolist(), layout)
 
     def records_old_policy(self, measure: bool) -> bool:
         """Whether the old-policy pass records routes: always for R2 (training replays them); with replay off only

@@ -27,12 +27,11 @@ from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import (
     RolloutBatch,
+    logprob_forward_step,
     minibatch_group_order,
-    model_forward,
     pack_rollouts,
     policy_forward_step,
     policy_units,
-    token_logprobs_from_logits,
 )
 from megatron_gspo.training.checkpoint import CheckpointManager, new_run_id
 from megatron_gspo.training.checkpoint_contents import (
@@ -41,10 +40,12 @@ from megatron_gspo.training.checkpoint_contents import (
     write_trainer_contents,
 )
 from megatron_gspo.training.config import RunConfig, dump_run_config
+from megatron_gspo.training.dp_balance import balance_data_parallel
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.health import HealthMonitor
 from megatron_gspo.training.metrics_log import MetricsLogger, reduce_step_metrics
+from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
 from megatron_gspo.training.routing import RoutingControl, drift_sample
 from megatron_gspo.training.run_dir import check_new_run_dir, check_resume_config, check_resume_dir, trim_log
 from megatron_gspo.training.runtime import Runtime
@@ -76,11 +77,23 @@ class GSPOTrainer:
                 f"{self.rt.dp.size}"
             )
         n_local = t.prompts_per_step // self.rt.dp.size * cfg.rollout.group_size
-        if n_local % t.minibatches or (n_local // t.minibatches) % min(t.micro_batch_size, n_local // t.minibatches):
+        per_minibatch = n_local // t.minibatches
+        if n_local % t.minibatches or (
+            not t.max_tokens_per_micro_batch and per_minibatch % min(t.micro_batch_size, per_minibatch)
+        ):
             raise ValueError(
                 f"each rank's rollout batch ({n_local} sequences) must split into trainer.minibatches={t.minibatches} "
                 f"minibatches of whole micro-batches (trainer.micro_batch_size={t.micro_batch_size})"
             )
+        # Replicas re-deal each minibatch's sequences for balanced token counts (packed layouts: padded rows cost the
+        # same whatever their lengths).
+        self.balance_replicas = t.balance_data_parallel and t.batch_layout == "packed" and self.rt.dp.size > 1
+        self.micro_batcher = MicroBatcher.for_model(
+            self.rt.models[0].config,
+            layout=t.batch_layout,
+            micro_batch_size=t.micro_batch_size,
+            max_tokens=t.max_tokens_per_micro_batch,
+        )
         self.policy_loss = make_policy_loss(cfg.loss)
         self.scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)
         self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
@@ -224,7 +237,14 @@ class GSPOTrainer:
             "reward_errors": errors,
             "topup_rounds": float(rounds),
         }
+        if self.balance_replicas:
+            batch = balance_data_parallel(batch, self.cfg.trainer.minibatches, self._dp_group())
         return batch, stats
+
+    def _dp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
 
     def _topup_needs(self, need: int) -> list[int]:
         """How many groups each data-parallel rank lacks, in rank order, identical on every rank."""
@@ -276,26 +296,21 @@ class GSPOTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Per-token log-probs [N, S] of the batch under the current weights (forward only)."""
-        mbs = min(self.cfg.trainer.micro_batch_size, batch.num_sequences)
-        micro = batch.split(batch.num_sequences // mbs)
-        vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
-
-        def fwd(mb: RolloutBatch, model):
-            labels = mb.tokens_NL[:, 1:]
-            self.routing.before_forward(mb)
-            out = model_forward(model, mb.tokens_NL, mb.input_lens_N)
-
-            def reduce(logits):
-                lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab, temp)
-                return logits.sum() * 0.0, {"token_logprobs": lp.token_logprobs.detach()}
-
-            return out, reduce
-
+        groups = self.micro_batcher.plan(batch)
+        micro = self.micro_batcher.build(batch, groups)
+        t = self.cfg.trainer
+        fwd = logprob_forward_step(
+            self.rt.model_config.vocab_size,
+            self.cfg.rollout.temperature,
+            self.routing.before_forward,
+            logprob_path=t.logprob_path,
+        )
+        seq_length, mbs = schedule_shape(micro)
         for m in self.rt.chunks:
             m.eval()
         try:
             outs = forward_backward(
-                self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs, forward_only=True
+                self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs, forward_only=True
             )
         finally:
             for m in self.rt.chunks:
@@ -303,7 +318,8 @@ class GSPOTrainer:
         # Non-last stages receive the result into a buffer on the device (the broadcast is an NCCL collective).
         result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32, device=self.rt.device)
         if is_last_stage():
-            result = torch.cat([o["token_logprobs"] for o in outs], dim=0)
+            rows = torch.tensor([i for g in groups for i in g], dtype=torch.long, device=self.rt.device)
+            result[rows] = torch.cat([o["token_logprobs"] for o in outs], dim=0)
         return broadcast_from_last_stage(result.contiguous())
 
     def update(self, batch: RolloutBatch) -> list[dict]:
@@ -314,13 +330,12 @@ class GSPOTrainer:
         loss_fn = self.policy_loss
         drift: dict = {}
         engine_mismatch: dict = {}
+        fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward, logprob_path=t.logprob_path)
         for k, minibatch in enumerate(batch.split(t.minibatches)):
-            mbs = min(t.micro_batch_size, minibatch.num_sequences)
-            micro = minibatch.split(minibatch.num_sequences // mbs)
-
-            fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward)
+            micro = self.micro_batcher(minibatch)
+            seq_length, mbs = schedule_shape(micro)
             with self.routing.training_pass():
-                parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs,
+                parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs,
                                          units_of=policy_units(loss_fn))
             loss_metrics = combine_metrics(parts) if parts else {}
             if k == 0 and self.cfg.rollout.old_logprobs == "engine":

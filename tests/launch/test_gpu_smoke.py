@@ -14,7 +14,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
     "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "train-no-te", "train-2gpu", "device-1gpu",
-    "device-2gpu", "sglang-sft",
+    "device-2gpu", "packed", "sglang-sft",
     "sglang-hf", "sglang-rl",
 )
 
@@ -38,6 +38,11 @@ elif any(a.endswith("gpu_device_check.py") for a in args):
         print("device check: FAILED (1 host inputs)")
         sys.exit(1)
     print("device check: OK (12 model forwards on cuda:0)")
+elif any(a.endswith("gpu_packed_check.py") for a in args):
+    if fail == "packed":
+        print("packed check: FAILED (TE spec on cuda:0): gradients packed vs padded differ by 0.5")
+        sys.exit(1)
+    print("packed check: OK (TE spec on cuda:0, old log-prob error 1e-3, gradient error 2e-2)")
 elif "megatron_gspo.cli.main" in args or (args[:1] == ["-c"] and "megatron_gspo.cli.main" in args[1]):
     cli = args[2:] if args[0] == "-c" else args[args.index("megatron_gspo.cli.main") + 1:]
     cmd = cli[0]
@@ -173,6 +178,19 @@ def test_no_te_part_fails_when_the_run_fails(smoke, tmp_path):
     assert proc.returncode == 1
     table = _table(proc.stdout)
     assert table["train-no-te"] == "FAIL" and table["train-1gpu"] == "PASS" and table["bf16-load"] == "PASS"
+
+
+def test_packed_check_failure_fails_its_part(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="packed",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 1
+    table = _table(proc.stdout)
+    assert table["packed"] == "FAIL" and table["device-1gpu"] == "PASS"
+    assert "packed check: FAILED" in proc.stdout
+    launched = next(line for line in proc.stdout.splitlines() if line.startswith("== packed"))
+    assert launched.endswith("tools/gpu_packed_check.py")
 
 
 def test_device_check_failure_fails_its_part(smoke, tmp_path):

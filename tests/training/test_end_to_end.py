@@ -139,9 +139,11 @@ def test_killed_run_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_killed_data_parallel_dynamic_sampling_run_resumes_exactly(tmp_path):
-    """DP=2 with top-ups: the sampler position (global, the same on both ranks) and each rank's state resume."""
+    """DP=2 with top-ups: the sampler position (global, the same on both ranks) and each rank's state resume; with
+    token-budget micro-batches of re-dealt (balanced) sequences and R2 replay, as a cluster runs."""
     steps = ["trainer.steps=3", "trainer.ckpt_every=1", "trainer.save_final=false", "rollout.dynamic_sampling=true",
-             "data.reward=tests.training.rewards:contains_one", "eval.max_prompts=4", "eval.n=1"]
+             "data.reward=tests.training.rewards:contains_one", "eval.max_prompts=4", "eval.n=1",
+             "trainer.max_tokens_per_micro_batch=30", "moe.routing_replay=r2"]
     _kill_and_resume(tmp_path, steps, 3, 1, nproc=2)
     rows = _rows(tmp_path / "full")
     assert sum(r["topup_rounds"] for r in rows.values()) > 0, "no top-up: the resume of the sampler is untested"

@@ -41,11 +41,25 @@ def test_roundtrip_through_yaml(tmp_path):
         ("health.zero_grad_window=0", r"health\.zero_grad_window=0"),
         ("parallel.timeout_s=0", r"parallel\.timeout_s=0"),
         ("trainer.hang_warning_s=-1", r"trainer\.hang_warning_s=-1"),
+        ("trainer.batch_layout=thd", r"trainer\.batch_layout='thd' must be packed or padded"),
+        ("trainer.logprob_path=fast", r"trainer\.logprob_path='fast' must be fused or logits"),
+        ("trainer.max_tokens_per_micro_batch=-1", r"trainer\.max_tokens_per_micro_batch=-1 must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         load_run_config(EXAMPLE, [override])
+
+
+def test_token_budget_needs_packed_micro_batches():
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch needs trainer.batch_layout=packed"):
+        load_run_config(EXAMPLE, ["trainer.batch_layout=padded", "trainer.max_tokens_per_micro_batch=64"])
+
+
+def test_rl_training_defaults_to_packed_fused():
+    cfg = load_run_config(EXAMPLE)
+    assert (cfg.trainer.batch_layout, cfg.trainer.logprob_path, cfg.trainer.max_tokens_per_micro_batch) == (
+        "packed", "fused", 0)
 
 
 def test_scientific_notation_without_a_dot_is_a_number():
