@@ -104,6 +104,12 @@ def check_server(info: ServerInfo, cfg: Any) -> None:
             f"{where} runs without --enable-deterministic-inference, which sglang.deterministic_inference=true "
             "requires (without it SGLang ignores sampling_seed): restart it with the flag"
         )
+    if info.context_length is not None and cfg.context_length is not None and info.context_length != cfg.context_length:
+        raise ServerError(
+            f"{where} runs with --context-length {info.context_length} but sglang.context_length="
+            f"{cfg.context_length} (the trainer fills in the model's max_position_embeddings): set "
+            f"sglang.context_length={info.context_length}"
+        )
     if cfg.colocated and not info.memory_saver:
         raise ServerError(
             f"{where} runs without --enable-memory-saver, so sglang.colocated=true could not free its GPU memory "
