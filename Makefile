@@ -5,8 +5,11 @@ STAMP := $(VENV)/.installed
 # The rollout environment: vLLM (CPU build without a GPU) + our vLLM plugin, apart from the trainer's .venv.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The SGLang releases the engine is tested against, importable on a CPU (no GPU packages), for the conformance test.
+SGLANG_CONFORMANCE := .venv-sglang-conformance
+SGLANG_CONFORMANCE_STAMP := $(SGLANG_CONFORMANCE)/.installed
 
-.PHONY: install rollout-env test demo lint clean bench-env bench-vs-trl
+.PHONY: install rollout-env sglang-conformance-env test demo lint clean bench-env bench-vs-trl
 
 install: $(STAMP)
 
@@ -18,8 +21,14 @@ rollout-env: $(VLLM_STAMP)
 $(VLLM_STAMP): setup.py tools/rollout_env.sh
 	bash tools/rollout_env.sh
 
-# The vLLM end-to-end tests (tests/rollout/vllm) start real servers from $(VLLM_VENV).
-test: $(STAMP) $(VLLM_STAMP)
+sglang-conformance-env: $(SGLANG_CONFORMANCE_STAMP)
+
+$(SGLANG_CONFORMANCE_STAMP): $(STAMP) tools/sglang_conformance_env.sh megatron_gspo/rollout/sglang/versions.py
+	bash tools/sglang_conformance_env.sh
+
+# The vLLM end-to-end tests (tests/rollout/vllm) start real servers from $(VLLM_VENV); the SGLang conformance test
+# (tests/rollout/sglang/test_conformance.py) runs SGLang's own code from $(SGLANG_CONFORMANCE).
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_CONFORMANCE_STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
@@ -41,4 +50,4 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check megatron_gspo tests tools
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_CONFORMANCE) build *.egg-info

@@ -2,6 +2,10 @@
 
 from setuptools import find_packages, setup
 
+# The SGLang / sglang-router releases the engine is tested against (its conformance test); one list, in the package.
+SGLANG: dict = {}
+exec(open("megatron_gspo/rollout/sglang/versions.py", encoding="utf-8").read(), SGLANG)
+
 setup(
     name="megatron-gspo",
     version="0.1.0",
@@ -35,11 +39,13 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "lint": ["ruff", "mypy"],
         # GPU clusters: TE for the fused layer spec, sglang-router for load balancing. SGLang itself pins its own
-        # torch / transformers and must live in a separate environment (REFERENCE.md §6): install the `rollout`
+        # torch / transformers and must live in a separate environment (REFERENCE.md §6): install a `rollout`
         # extra there, never into the trainer's. The TE range is megatron-core 0.16.1's own (its `dev` extra:
-        # transformer-engine>=2.9.0a0,<2.12.0).
-        "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang-router"],
-        "rollout": ["sglang", "sglang-router"],
+        # transformer-engine>=2.9.0a0,<2.12.0). `rollout` is SGLang 0.5.23 (torch 2.14, CUDA 13 wheels);
+        # `rollout-cu12` is 0.5.9 (torch 2.9.1, CUDA 12.8 wheels), which cannot serve R3 (rollout/sglang/versions.py).
+        "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", f"sglang-router=={SGLANG['SGLANG_ROUTER']}"],
+        "rollout": [f"sglang=={SGLANG['SGLANG_DEFAULT']}", f"sglang-router=={SGLANG['SGLANG_ROUTER']}"],
+        "rollout-cu12": [f"sglang=={SGLANG['SGLANG_CUDA12']}", f"sglang-router=={SGLANG['SGLANG_ROUTER']}"],
     },
     entry_points={
         "console_scripts": ["megatron-gspo=megatron_gspo.cli.main:main"],

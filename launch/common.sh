@@ -272,6 +272,7 @@ mg_sglang_server_cmd() {
         --model-path "$SGLANG_MODEL_PATH" --tp "$SGLANG_TP" --host 0.0.0.0 --port "$((SGLANG_PORT + i))"
         --skip-tokenizer-init)
     [[ "${ROUTING_REPLAY:-off}" != r3 ]] || MG_CMD+=(--enable-return-routed-experts)
+    [[ "${SGLANG_DETERMINISTIC:-0}" != 1 ]] || MG_CMD+=(--enable-deterministic-inference)
     if [[ "$colocated" == 1 ]]; then
         MG_CMD+=(--enable-memory-saver --mem-fraction-static "${SGLANG_MEM_FRACTION:-0.4}")
     fi

@@ -27,8 +27,18 @@ mg_trainer_args() {
         # (SGLangConfig: mode, urls, router_url, colocated). Weight sync needs each server's GPU count (the size
         # of the NCCL group) and an address of trainer rank 0 that the servers reach (its rendezvous store).
         MG_ARGS+=(rollout.engine=sglang sglang.mode=attach "sglang.urls=[${ROLLOUT_URLS// /,}]")
-        [[ -z "${ROUTER_URL:-}" ]] || MG_ARGS+=("sglang.router_url=$ROUTER_URL")
-        [[ "${ROLLOUT_MODE:-none}" != colocated ]] || MG_ARGS+=(sglang.colocated=true)
+        if [[ -n "${ROUTER_URL:-}" && "${ROUTING_REPLAY:-}" == r3 && "$sub" == train ]]; then
+            # sglang-router re-sends /generate without return_routed_experts: R3 generates on the servers directly.
+            mg_note "ROUTING_REPLAY=r3: generation goes to the servers, not the router $ROUTER_URL"
+        elif [[ -n "${ROUTER_URL:-}" ]]; then
+            MG_ARGS+=("sglang.router_url=$ROUTER_URL")
+        fi
+        if [[ "${ROLLOUT_MODE:-none}" == colocated ]]; then
+            # A server and trainer rank 0 share a GPU: no NCCL group between them; weights travel as files on a
+            # file system every node reads (the run directory's).
+            MG_ARGS+=(sglang.colocated=true sglang.weight_sync=disk "sglang.weight_sync_dir=${WEIGHT_SYNC_DIR:-$RUN_DIR/weight_sync}")
+        fi
+        [[ "${SGLANG_DETERMINISTIC:-0}" != 1 ]] || MG_ARGS+=(sglang.deterministic_inference=true)
         [[ -z "${SGLANG_TP:-}" ]] || MG_ARGS+=("sglang.tp_size=$SGLANG_TP")
         local sync_addr="${WEIGHT_SYNC_ADDR:-${MASTER_ADDR:-}}"
         [[ -z "$sync_addr" ]] || MG_ARGS+=("sglang.master_address=$sync_addr")

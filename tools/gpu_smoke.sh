@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megatron-gspo GPU smoke test: what CPU CI cannot check, in one script (about 6-9 minutes on one H200).
+# megatron-gspo GPU smoke test: what CPU CI cannot check, in one script (about 7-10 minutes on one H200).
 #
 #   bash tools/gpu_smoke.sh                                          # from anywhere in the repository
 #   SGLANG_PYTHON=/opt/sglang-venv/bin/python bash tools/gpu_smoke.sh  # also the SGLang rollout path
@@ -24,10 +24,16 @@
 #   packed       tools/gpu_packed_check.py: packed THD micro-batches on the machine's spec (TE: TEDotProductAttention
 #                THD) vs padded rows: cu_seqlens int32 on the GPU, old log-probs and one R2 RL update (packed + fused
 #                log-probs vs padded + logits, bf16), an optimizer step
-#   sglang-*     SGLang rollouts (needs SGLANG_PYTHON: an environment where `import sglang` works):
+#   sglang-*     SGLang rollouts (needs SGLANG_PYTHON: an environment where `import sglang` works, e.g.
+#                `pip install "megatron-gspo[rollout]"`; rollout/sglang/versions.py lists the tested releases):
 #                sglang-sft (a few SFT steps -> model checkpoint), sglang-hf (convert megatron-to-hf),
 #                sglang-rl (2 RL steps with rollout.engine=sglang: one server launched by the trainer with
-#                --skip-tokenizer-init; weights synced over NCCL with >= 2 GPUs, from disk with one)
+#                --skip-tokenizer-init; the weight-update protocol follows the server's /server_info release, with
+#                /begin_weight_update ... /end_weight_update from 0.5.21). With >= 2 GPUs the server runs on GPU 1
+#                and the weights go over NCCL from trainer rank 0 on GPU 0. With one GPU that is impossible: NCCL
+#                refuses a group whose two ranks share a GPU ("Duplicate GPU detected"), so the weights go as files,
+#                the colocated transport), sglang-r3 (1 RL step replaying the server's routed experts, R3: needs
+#                SGLang >= 0.5.10, skipped on older releases, which cannot return them)
 # Without an NVIDIA GPU every GPU part is skipped and the script exits 0.
 #
 # Variables:
@@ -117,7 +123,7 @@ summary() {
 }
 
 GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu device-1gpu device-2gpu packed sglang-sft sglang-hf
-    sglang-rl)
+    sglang-rl sglang-r3)
 skip_rest() {  # reason, parts...
     local reason="$1" p
     shift
@@ -224,7 +230,7 @@ fi
 run_part packed 150 --expect '^packed check: OK' "$PYTHON" tools/gpu_packed_check.py
 
 # ---- (c) SGLang rollouts ---------------------------------------------------------------------------------------
-SGLANG_PARTS=(sglang-sft sglang-hf sglang-rl)
+SGLANG_PARTS=(sglang-sft sglang-hf sglang-rl sglang-r3)
 if [[ -z "${SGLANG_PYTHON:-}" ]]; then
     skip_rest "SGLANG_PYTHON is not set (the interpreter of an environment with sglang)" "${SGLANG_PARTS[@]}"
     summary
@@ -237,21 +243,34 @@ fi
 # The tiny model as an HF checkpoint for the server: a few SFT steps (a model checkpoint), then megatron-to-hf.
 run_part sglang-sft 120 "$PYTHON" -m megatron_gspo.cli.main sft --config "$TINY" --out "$WORK/sft-model" \
     model.dtype=bf16 sft.max_steps=10 sft.eval_every=10 sft.eval_prompts=32 "trainer.run_dir=$WORK/sft-run" ||
-    { skip_rest "sglang-sft failed" sglang-hf sglang-rl; summary; }
+    { skip_rest "sglang-sft failed" sglang-hf sglang-rl sglang-r3; summary; }
 run_part sglang-hf 90 "$PYTHON" -m megatron_gspo.cli.main convert megatron-to-hf --ckpt "$WORK/sft-model" \
-    --out "$WORK/sft-hf" --no-progress || { skip_rest "sglang-hf failed" sglang-rl; summary; }
+    --out "$WORK/sft-hf" --no-progress || { skip_rest "sglang-hf failed" sglang-rl sglang-r3; summary; }
 
-PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 if ((NGPU >= 2)); then  # the server on GPU 1: weights go over NCCL (two ranks of one NCCL group need two GPUs)
     SYNC=(sglang.base_gpu_id=1 sglang.weight_sync=distributed)
-else
+else  # one GPU: trainer and server share it, as colocated runs do; NCCL refuses that, files work
     SYNC=(sglang.base_gpu_id=0 sglang.weight_sync=disk "sglang.weight_sync_dir=$WORK/weight-sync")
 fi
 # The tiny model (head_dim 32, 16-token vocabulary) on the Triton attention backend; no CUDA graphs (start-up time).
+SGLANG_RUN=("${SMALL[@]}" "model.load=$WORK/sft-model" rollout.engine=sglang sglang.mode=launch
+    "sglang.python=$SGLANG_PYTHON" "sglang.model_path=$WORK/sft-hf" sglang.mem_fraction=0.3
+    sglang.startup_timeout_s=200 "${SYNC[@]}"
+    "sglang.extra_server_args=[--attention-backend,triton,--disable-cuda-graph,--dtype,bfloat16]")
 run_part sglang-rl 240 --rows "$WORK/sglang-rl" 2 \
     "$PYTHON" -m megatron_gspo.cli.main train --config "$TINY" trainer.steps=2 "trainer.run_dir=$WORK/sglang-rl" \
-    "${SMALL[@]}" "model.load=$WORK/sft-model" rollout.engine=sglang sglang.mode=launch \
-    "sglang.python=$SGLANG_PYTHON" "sglang.model_path=$WORK/sft-hf" "sglang.port_base=$PORT" \
-    sglang.mem_fraction=0.3 sglang.startup_timeout_s=200 "sglang.log_dir=$WORK/sglang-logs" "${SYNC[@]}" \
-    "sglang.extra_server_args=[--attention-backend,triton,--disable-cuda-graph,--dtype,bfloat16]"
+    "${SGLANG_RUN[@]}" "sglang.port_base=$(free_port)" "sglang.log_dir=$WORK/sglang-logs"
+SGLANG_VERSION="$("$SGLANG_PYTHON" -c 'import sglang; print(sglang.__version__)' 2>/dev/null | tail -n 1)"
+if [[ -z "$SGLANG_VERSION" ]]; then
+    skip sglang-r3 "could not read the SGLang version of $SGLANG_PYTHON"
+elif ! "$PYTHON" -c 'import sys; v = tuple(int(x) for x in sys.argv[1].split(".")[:3]); sys.exit(v < (0, 5, 10))' \
+    "$SGLANG_VERSION" 2>/dev/null; then
+    skip sglang-r3 "SGLang $SGLANG_VERSION returns no routed experts with --skip-tokenizer-init (needs >= 0.5.10)"
+else
+    run_part sglang-r3 180 --rows "$WORK/sglang-r3" 1 \
+        "$PYTHON" -m megatron_gspo.cli.main train --config "$TINY" trainer.steps=1 "trainer.run_dir=$WORK/sglang-r3" \
+        "${SGLANG_RUN[@]}" "sglang.port_base=$(free_port)" "sglang.log_dir=$WORK/sglang-r3-logs" \
+        moe.routing_replay=r3 sglang.return_routed_experts=true
+fi
 summary

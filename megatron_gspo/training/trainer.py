@@ -388,12 +388,14 @@ class GSPOTrainer:
         return False, grad_norm
 
     def _colocated_memory(self, action: str) -> None:
-        """Colocated SGLang servers hand their GPU memory to training and take it back for the weight sync."""
+        """Colocated SGLang servers hand their GPU memory to training and take it back for the weight sync.
+
+        Called on every rank: the engine releases only once all ranks are past their generation (a barrier), since
+        SGLang asserts that a server is idle when the release arrives."""
         engine = self.rt.engine
         if not (self.cfg.rollout.engine == "sglang" and self.cfg.sglang.get("colocated", False)):
             return
-        if getattr(engine, "leader", True):
-            (engine.release_memory if action == "release" else engine.resume_memory)()
+        (engine.release_memory if action == "release" else engine.resume_memory)()
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""

@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
     "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "train-no-te", "train-2gpu", "device-1gpu",
     "device-2gpu", "packed", "sglang-sft",
-    "sglang-hf", "sglang-rl",
+    "sglang-hf", "sglang-rl", "sglang-r3",
 )
 
 # A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with
@@ -58,6 +58,16 @@ elif "megatron_gspo.cli.main" in args or (args[:1] == ["-c"] and "megatron_gspo.
             f.writelines("{{}}\\n" for _ in range(int(opts["trainer.steps"])))
 else:
     os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+# An SGLang interpreter that imports sglang and reports its release.
+SGLANG_STUB = """#!/bin/bash
+case "$*" in
+"-c import sglang") exit 0 ;;
+"-c import sglang; print(sglang.__version__)") echo {version} ;;
+*) exit 7 ;;
+esac
 """
 
 
@@ -119,7 +129,7 @@ def test_gpu_visible_but_torch_without_cuda_fails(smoke, tmp_path):
 def test_one_gpu_all_parts(smoke, tmp_path):
     run, bindir, _ = smoke
     python = _stub(bindir / "python-stub", STUB_PYTHON)
-    sglang = _stub(bindir / "sglang-python", '#!/bin/bash\n[[ "$*" == "-c import sglang" ]]\n')
+    sglang = _stub(bindir / "sglang-python", SGLANG_STUB.format(version="0.5.23"))
     work = tmp_path / "w"
     proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), SGLANG_PYTHON=str(sglang),
                GPU_SMOKE_DIR=str(work))
@@ -134,6 +144,15 @@ def test_one_gpu_all_parts(smoke, tmp_path):
     launched = next(line for line in proc.stdout.splitlines() if line.startswith("== sglang-rl"))
     assert "sglang.weight_sync=disk" in launched and "rollout.engine=sglang" in launched
     assert "trainer.steps=2" in launched and f"sglang.python={sglang}" in launched
+    r3 = next(line for line in proc.stdout.splitlines() if line.startswith("== sglang-r3"))
+    assert "moe.routing_replay=r3" in r3 and "sglang.return_routed_experts=true" in r3
+    assert (work / "sglang-r3" / "metrics.jsonl").read_text().count("\n") == 1
+    # SGLang 0.5.9 cannot return routed experts (issue 16 item 3): the R3 part says so and skips
+    _stub(bindir / "sglang-python", SGLANG_STUB.format(version="0.5.9"))
+    old = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), SGLANG_PYTHON=str(sglang),
+              GPU_SMOKE_DIR=str(tmp_path / "w-old"))
+    assert old.returncode == 0 and _table(old.stdout)["sglang-r3"] == "SKIP" and _table(old.stdout)["sglang-rl"] == "PASS"
+    assert "SGLang 0.5.9 returns no routed experts" in old.stdout
     # bf16 masters on CUDA (the gpu-marked test) and the no-TE path: TE hidden, local spec, selective recompute.
     assert next(line for line in proc.stdout.splitlines() if line.startswith("== bf16-load")).endswith(
         "-m pytest -q -rs -m gpu tests/training/test_mixed_precision.py"

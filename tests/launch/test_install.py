@@ -32,3 +32,20 @@ def test_gpu_extra_pins_transformer_engine_to_megatron_cores_range(monkeypatch):
     megatron = _transformer_engine(r for r in requires("megatron-core") if "transformer-engine" in r)
     assert ours.specifier == megatron.specifier and str(ours.specifier)  # e.g. <2.12.0,>=2.9.0a0
     assert "pytorch" in ours.extras
+
+
+def test_rollout_extras_pin_the_sglang_releases_the_conformance_test_checks(monkeypatch):
+    """Issue 16 item 9: unpinned, `pip install megatron-gspo[rollout]` gets whatever SGLang is newest."""
+    from megatron_gspo.rollout.sglang.versions import SGLANG_ROUTER, TESTED_SGLANG
+
+    extras = _setup_kwargs(monkeypatch)["extras_require"]
+    pinned = {}
+    for extra in ("rollout", "rollout-cu12", "gpu"):
+        for req in map(Requirement, extras[extra]):
+            if req.name.startswith("sglang"):
+                (spec,) = req.specifier
+                assert spec.operator == "==", f"{extra}: {req} is not pinned"
+                pinned.setdefault(req.name, set()).add(spec.version)
+    assert pinned["sglang"] == set(TESTED_SGLANG)
+    assert pinned["sglang-router"] == {SGLANG_ROUTER}
+    assert [str(r) for r in map(Requirement, extras["rollout"])] == ["sglang==0.5.23", "sglang-router==0.3.2"]

@@ -181,7 +181,7 @@ def test_disaggregated_rollout_nodes(slurm):
         ROLLOUT_NODES="1",
         SGLANG_TP="4",
         SGLANG_ROUTER="1",
-        ROUTING_REPLAY="r3",
+        SGLANG_DETERMINISTIC="1",
         SGLANG_PYTHON="/opt/sglang/bin/python",
         SGLANG_MODEL_PATH="/ckpt/sft-hf",
         **FOUR_NODES,
@@ -197,17 +197,25 @@ def test_disaggregated_rollout_nodes(slurm):
     for cmd, port in zip(servers, ("30000", "30001")):
         assert cmd[2] == "/opt/sglang/bin/python"
         assert flag(cmd, "--tp") == "4" and flag(cmd, "--port") == port and flag(cmd, "--model-path") == "/ckpt/sft-hf"
-        assert "--skip-tokenizer-init" in cmd and "--enable-return-routed-experts" in cmd
+        assert "--skip-tokenizer-init" in cmd and "--enable-deterministic-inference" in cmd
+        assert "--enable-return-routed-experts" not in cmd and "--enable-memory-saver" not in cmd
     (router,) = r.find("sglang_router.launch_router")
     assert router[router.index("--worker-urls") + 1 :][:2] == ["http://gpu004:30000", "http://gpu004:30001"]
     launches = r.find("torch.distributed.run")
     assert [flag(c, "--node-rank") for c in launches] == ["0", "1", "2"]
     assert all(flag(c, "--nnodes") == "3" for c in launches)
     assert "rollout.engine=sglang" in launches[0] and "sglang.mode=attach" in launches[0]
-    assert "sglang.colocated=true" not in launches[0] and "sglang.return_routed_experts=true" in launches[0]
+    assert "sglang.colocated=true" not in launches[0] and "sglang.return_routed_experts=true" not in launches[0]
     assert "sglang.urls=[http://gpu004:30000,http://gpu004:30001]" in launches[0]
     assert "sglang.router_url=http://gpu004:29000" in launches[0]
-    assert "moe.routing_replay=r3" in launches[0]
+    assert "sglang.deterministic_inference=true" in launches[0]
+    # R3: servers return routed experts, and generation skips the router (which drops return_routed_experts)
+    r3 = slurm("train.sbatch", CONFIG="c.yaml", ROLLOUT_MODE="disaggregated", ROLLOUT_NODES="1", SGLANG_TP="4",
+               ROUTING_REPLAY="r3", SGLANG_MODEL_PATH="/ckpt/sft-hf", **FOUR_NODES)
+    assert all("--enable-return-routed-experts" in c for c in r3.find("sglang.launch_server"))
+    (first, *_) = r3.find("torch.distributed.run")
+    assert "sglang.return_routed_experts=true" in first and "moe.routing_replay=r3" in first
+    assert not any(a.startswith("sglang.router_url") for a in first)
 
 
 def test_colocated_servers_on_training_nodes(slurm):
@@ -218,6 +226,10 @@ def test_colocated_servers_on_training_nodes(slurm):
     assert len(servers) == 2 and all("--enable-memory-saver" in c for c in servers)
     assert "--enable-return-routed-experts" not in servers[0]
     assert r["ROLLOUT_URLS"] == "http://a:30000 http://b:30000"
+    # issue 16 item 4: a server shares trainer rank 0's GPU, so no NCCL group: weights go through the run dir
+    launches = r.find("torch.distributed.run")
+    assert all("sglang.colocated=true" in c and "sglang.weight_sync=disk" in c for c in launches)
+    assert all(f"sglang.weight_sync_dir={r['RUN_DIR']}/weight_sync" in c for c in launches)
     bad = slurm("train.sbatch", expect_ok=False, CONFIG="c.yaml", ROLLOUT_MODE="colocated", LAUNCHER="srun",
                 SGLANG_MODEL_PATH="/m", **env)
     assert bad.proc.returncode != 0 and "LAUNCHER=torchrun" in bad.err
@@ -309,6 +321,9 @@ def test_pipeline_local_expands_train_steps(slurm):
         ("train.sbatch", dict(FOUR_NODES, CONFIG="c", ROLLOUT_MODE="disaggregated"), "ROLLOUT_NODES >= 1"),
         ("train.sbatch", dict(FOUR_NODES, CONFIG="c", ROLLOUT_MODE="colocated", SGLANG_TP="3", SGLANG_MODEL_PATH="/m"),
          "SGLANG_TP=3 does not divide GPUS_PER_NODE=8"),
+        ("train.sbatch", dict(FOUR_NODES, CONFIG="c", ROLLOUT_MODE="disaggregated", ROLLOUT_NODES="1",
+                              SGLANG_ROUTER="1", ROUTING_REPLAY="r3", SGLANG_MODEL_PATH="/m"),
+         "SGLANG_ROUTER=1 with ROUTING_REPLAY=r3: sglang-router re-sends /generate without return_routed_experts"),
         ("train.sbatch", dict(FOUR_NODES, CONFIG="c", DRY_RUN="0", FAKE_HOSTNAMES="a"), "FAKE_HOSTNAMES"),
         ("train.sbatch", dict(CONFIG="c", SLURM_NNODES="1"), "SLURM_JOB_NODELIST"),
         ("pipeline.sh", dict(STEPS="convert"), "HF_MODEL"),
@@ -464,4 +479,5 @@ def test_overrides_are_valid_run_config_keys(slurm):
     assert cfg.rollout.engine == "sglang" and cfg.moe == {"routing_replay": "r3"}
     sglang = SGLangConfig(**cfg.sglang, num_experts=128, num_moe_layers=48, moe_topk=8)
     assert sglang.mode == "attach" and sglang.colocated and sglang.return_routed_experts
+    assert sglang.weight_sync == "disk" and sglang.weight_sync_dir.endswith("/weight_sync")
     assert sglang.urls == [f"http://a:{30000 + i}" for i in range(8)]

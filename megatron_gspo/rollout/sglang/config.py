@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from megatron_gspo.rollout.server.config import ServerConfig, check_ints, check_port, check_url
+from megatron_gspo.rollout.sglang.versions import SGLANG_ROUTER
 
-WEIGHT_SYNC_MODES = ("distributed", "disk")
-GROUP_BACKENDS = ("nccl", "gloo")
+WEIGHT_SYNC_MODES = ("distributed", "disk", "shm")
 
 
 @dataclass
@@ -34,26 +34,49 @@ class SGLangConfig(ServerConfig):
     router_port: int = 29000
     """HTTP port of the router (launch mode)."""
     colocated: bool = False
-    """Servers share GPUs with the trainer: start them with `--enable-memory-saver`."""
+    """Servers share GPUs with the trainer: start them with `--enable-memory-saver`; they release their memory
+    after every rank's generation and take it back before the weight sync. Needs a file weight sync ('disk' or
+    'shm'): an NCCL group with a trainer rank and a server rank on one GPU is refused by NCCL."""
     weight_sync: str = "distributed"
-    """'distributed': NCCL broadcast from the trainer into the servers; 'disk': safetensors + reload."""
+    """'distributed': NCCL broadcast from trainer rank 0 into the servers (their GPUs must differ from rank 0's);
+    'disk': safetensors under weight_sync_dir + `/update_weights_from_disk`; 'shm': the same under /dev/shm
+    (RAM; servers on trainer rank 0's host only)."""
     weight_sync_dir: str | None = None
     """Disk mode: directory (shared with the servers) where each version's safetensors are written."""
+    deterministic_inference: bool = False
+    """Start the servers with `--enable-deterministic-inference` (attach mode: require that they run with it). Only
+    then does SGLang use each request's `sampling_seed`, i.e. are rollouts reproducible from trainer.seed. Cost
+    (SGLang's server_args.py): batch-invariant kernels, the pytorch sampling backend, attention limited to
+    flashinfer / fa3 / triton (flashinfer also turns the radix cache off) and, with tp_size > 1, NCCL tree
+    all-reduce without custom all-reduce: slower rollouts."""
+    context_length: int | None = None
+    """Context length of the servers (`--context-length`); the trainer fills in the model's
+    max_position_embeddings, which is what SGLang derives from config.json. SGLang refuses a request whose prompt
+    + max_new_tokens reaches it, so prompt + rollout.max_new_tokens must stay below it (checked before sending)."""
     master_address: str = "127.0.0.1"
     """Distributed mode: address of the trainer's rendezvous store, reachable from the servers."""
     master_port: int = 0
     """Distributed mode: port of the rendezvous store (0 = pick a free port)."""
     group_name: str = "weight_update_group"
-    """Distributed mode: name of the trainer + servers weight-update process group."""
-    group_backend: str = "nccl"
-    """Distributed mode: collective backend ('nccl' on GPUs; 'gloo' only for CPU tests)."""
+    """Distributed mode: name of the trainer + servers weight-update process group (always NCCL)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"sglang.weight_sync={self.weight_sync!r} must be one of {WEIGHT_SYNC_MODES}")
-        if self.group_backend not in GROUP_BACKENDS:
-            raise ValueError(f"sglang.group_backend={self.group_backend!r} must be one of {GROUP_BACKENDS}")
+        if self.colocated and self.weight_sync == "distributed":
+            raise ValueError(
+                "sglang.colocated=true with sglang.weight_sync=distributed puts trainer rank 0 and a server rank on "
+                "one GPU in one NCCL group, which NCCL refuses (duplicate GPU); use sglang.weight_sync=disk with "
+                "sglang.weight_sync_dir on a file system the servers read (or shm when they all run on rank 0's host)"
+            )
+        if self.return_routed_experts and (self.router or self.router_url):
+            key = "sglang.router=true" if self.router else "sglang.router_url"
+            raise ValueError(
+                f"sglang.return_routed_experts=true with {key}: sglang-router {SGLANG_ROUTER} re-sends /generate "
+                "without return_routed_experts, so no response would carry routed experts; leave the router out "
+                "(the engine spreads prompts over the servers itself)"
+            )
         if self.router_url is not None:
             self.router_url = self.router_url.rstrip("/")
         if self.mode == "attach":
@@ -67,8 +90,18 @@ class SGLangConfig(ServerConfig):
             raise ValueError("sglang.router_url is for attach mode; launch mode uses sglang.router=true")
         check_ints(self, ("tp_size",), minimum=1)
         check_ints(self, ("base_gpu_id", "master_port"), minimum=0)
+        if self.context_length is not None:
+            check_ints(self, ("context_length",), minimum=2)
         check_port(self, "router_port")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"sglang.mem_fraction={self.mem_fraction} must be in (0, 1]")
         if self.weight_sync == "disk" and not self.weight_sync_dir:
             raise ValueError("sglang.weight_sync=disk needs sglang.weight_sync_dir (readable by the servers)")
+
+    @classmethod
+    def from_run_config(cls, options: dict[str, Any], model_config: Any):
+        """As ServerConfig's, plus the servers' context length from the model (SGLang derives the same)."""
+        options = dict(options)
+        if options.get("context_length") is None and model_config is not None:
+            options["context_length"] = model_config.max_position_embeddings
+        return super().from_run_config(options, model_config)

@@ -4,16 +4,18 @@
     rollouts = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))  # grouped per prompt
     engine.update_weights(model_chunks, version=step)                             # after each optimizer step
 
-What SGLang adds to server/engine.py: its command lines and optional sglang-router (sglang/launch.py), the
-`/generate` bodies (sglang/protocol.py), `/abort_request`, and weight sync by NCCL broadcast or disk around
-`/pause_generation` ... `/flush_cache` ... `/continue_generation` (sglang/weight_sync.py); colocated servers
-release and resume their GPU memory.
+What SGLang adds to server/engine.py: its command lines and optional sglang-router (sglang/launch.py), what each
+server is (`/server_info`: release and flags, sglang/server_info.py; the protocol follows the release), the
+`/generate` bodies (sglang/protocol.py), `/abort_request`, and weight sync by NCCL broadcast or safetensors files
+around `/pause_generation` ... `/flush_cache` ... `/continue_generation` (sglang/weight_sync.py); colocated
+servers release and resume their GPU memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import shutil
 import socket
 from collections.abc import Iterable, Mapping
@@ -26,6 +28,7 @@ from megatron_gspo.rollout.server.errors import RETRYABLE_STATUSES, StaleWeights
 from megatron_gspo.rollout.server.errors import GenerateError as SGLangGenerateError
 from megatron_gspo.rollout.server.errors import ServerError as SGLangError
 from megatron_gspo.rollout.server.factory import make_server_engine
+from megatron_gspo.rollout.server.transport import transport_root
 from megatron_gspo.rollout.sglang.config import SGLangConfig
 from megatron_gspo.rollout.sglang.launch import router_command, router_url, server_command
 from megatron_gspo.rollout.sglang.protocol import (
@@ -33,6 +36,7 @@ from megatron_gspo.rollout.sglang.protocol import (
     build_generate_payload,
     decode_generate_response,
 )
+from megatron_gspo.rollout.sglang.server_info import ServerInfo, check_server
 from megatron_gspo.rollout.sglang.weight_sync import (
     GroupFactory,
     UpdateGroup,
@@ -44,6 +48,8 @@ from megatron_gspo.rollout.sglang.weight_sync import (
 from megatron_gspo.rollout.types import Rollout, SamplingParams
 
 __all__ = ["SGLangEngine", "SGLangError", "SGLangGenerateError", "StaleWeightsError", "make_sglang_engine"]
+
+logger = logging.getLogger(__name__)
 
 
 class SGLangEngine(ServerEngine):
@@ -66,6 +72,9 @@ class SGLangEngine(ServerEngine):
         self._group: UpdateGroup | None = None
         self._disk_path: Path | None = None
         self._routing = config.routing
+        self._seed_warned = False
+        self.server_info: dict[str, ServerInfo] = {}
+        """URL -> what that server is (read by the leader at start; empty on followers)."""
         super().__init__(config, exporter, **kwargs)
 
     @classmethod
@@ -97,6 +106,7 @@ class SGLangEngine(ServerEngine):
             )
             self._run(self._healthy(url, "/health"))
             self.generate_urls = [url]
+        self._run(self._read_server_info())
 
     def _attach(self) -> None:
         super()._attach()
@@ -105,12 +115,55 @@ class SGLangEngine(ServerEngine):
             self.generate_urls = [cfg.router_url]
             if self.leader:
                 self._run(self._healthy(cfg.router_url, "/health"))
+        if self.leader:
+            self._run(self._read_server_info())
+
+    async def _read_server_info(self) -> None:
+        """`GET /server_info` of every server: its release picks the protocol; what it cannot serve is refused."""
+        bodies = await asyncio.gather(*(self._client.call(u, "/server_info", method="GET") for u in self.server_urls))
+        for url, body in zip(self.server_urls, bodies):
+            info = ServerInfo.from_json(url, body)
+            check_server(info, self.config)
+            self.server_info[url] = info
+            protocol = "inside /begin_weight_update ... /end_weight_update" if info.weight_update_session else "direct"
+            logger.info(
+                "SGLang %s at %s: weight updates %s, deterministic inference %s",
+                info.version, url, protocol, "on" if info.deterministic_inference else "off",
+            )
 
     async def _release(self) -> None:
         if self._group is not None:  # attached servers must be able to join a later trainer's group
             await self._drop_group()
+        if self.config.weight_sync == "shm" and self._disk_path is not None:  # RAM, not a disk: free it
+            shutil.rmtree(self._disk_path.parent, ignore_errors=True)
 
     # --------------------------------------------------------------------------------------------- generation
+
+    @property
+    def seeds_honoured(self) -> bool:
+        """Whether the servers use each request's `sampling_seed` (only with --enable-deterministic-inference)."""
+        infos = list(self.server_info.values())
+        return self.config.deterministic_inference or bool(infos and all(i.deterministic_inference for i in infos))
+
+    def _generate_here(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        limit = self.config.context_length
+        if limit is not None:
+            for i, prompt in enumerate(prompts):
+                if len(prompt) + sampling.max_new_tokens >= limit:
+                    raise ValueError(
+                        f"prompt {i} has {len(prompt)} tokens + rollout.max_new_tokens={sampling.max_new_tokens} "
+                        f"= {len(prompt) + sampling.max_new_tokens}, not below the SGLang servers' context length "
+                        f"{limit} (sglang.context_length; SGLang refuses prompt + max_new_tokens >= context length): "
+                        "lower rollout.max_new_tokens or shorten the prompts"
+                    )
+        if sampling.seed is not None and not self.seeds_honoured and not self._seed_warned:
+            self._seed_warned = True
+            logger.warning(
+                "SGLang ignores sampling_seed unless its servers run with --enable-deterministic-inference: these "
+                "rollouts are not reproducible from the trainer's seed (sglang.deterministic_inference=true makes "
+                "them so, at a speed cost)"
+            )
+        return super()._generate_here(prompts, sampling)
 
     def build_request(
         self, prompt: list[int], sampling: SamplingParams, *, rid: str, seed: int | None
@@ -148,12 +201,12 @@ class SGLangEngine(ServerEngine):
         urls = self.server_urls
         await self._call_all("/pause_generation", {"mode": "abort"})
         buckets = iter_buckets(named_tensors, cfg.bucket_bytes)
-        if cfg.weight_sync == "disk":
+        if cfg.weight_sync in ("disk", "shm"):
 
             async def post_disk(url: str, path: str, payload: dict) -> Any:
                 return await self._client.call(url, path, payload, timeout_s=cfg.weight_sync_timeout_s)
 
-            directory = Path(cfg.weight_sync_dir or ".")
+            directory = transport_root(cfg.weight_sync, cfg.weight_sync_dir, self._run_id)
             path = await push_disk(post_disk, urls, buckets, directory=directory, version=version)
             if self._disk_path is not None and self._disk_path != path:
                 shutil.rmtree(self._disk_path, ignore_errors=True)
@@ -168,11 +221,17 @@ class SGLangEngine(ServerEngine):
                     master_port=cfg.master_port or _free_port(),
                     gpus_per_server=cfg.tp_size,
                     group_name=cfg.group_name,
-                    backend=cfg.group_backend,
                     timeout_s=cfg.weight_sync_timeout_s,
                 )
+            sessions = [u for u, info in self.server_info.items() if info.weight_update_session]
             await push_distributed(
-                self._post_once, urls, buckets, group=self._group, group_name=cfg.group_name, version=version
+                self._post_once,
+                urls,
+                buckets,
+                group=self._group,
+                group_name=cfg.group_name,
+                version=version,
+                session_urls=sessions,
             )
         await asyncio.gather(*(self._flush_cache(u) for u in urls))
         await self._call_all("/continue_generation", {})
@@ -205,14 +264,22 @@ class SGLangEngine(ServerEngine):
     # ------------------------------------------------------------------------------------------- memory saver
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Colocated mode: servers free GPU memory (tags 'weights', 'kv_cache'; None = all) for training."""
+        """Colocated mode, called on every trainer rank: once all of them are past their generation (the
+        engine's barrier), the leader asks the servers to free GPU memory (tags 'weights', 'kv_cache'; None =
+        all) for training. SGLang asserts that a server is idle when the release arrives (its scheduler dies
+        otherwise), and any rank's rollouts may still be running until every rank has returned from generate."""
         self._check_open()
-        self._run(self._call_all("/release_memory_occupation", {"tags": tags}))
+        if self._barrier is not None:
+            self._barrier()
+        if self.leader:
+            self._run(self._call_all("/release_memory_occupation", {"tags": tags}))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Colocated mode: servers take their GPU memory back before a weight sync / generation."""
+        """Colocated mode, called on every trainer rank: the leader has the servers take their GPU memory back
+        before the weight sync (which every rank joins, and which ends in the barrier)."""
         self._check_open()
-        self._run(self._call_all("/resume_memory_occupation", {"tags": tags}))
+        if self.leader:
+            self._run(self._call_all("/resume_memory_occupation", {"tags": tags}))
 
 
 def make_sglang_engine(runtime: Any, *, exporter: Exporter | None = None) -> SGLangEngine:

@@ -32,10 +32,14 @@ def server_command(cfg: SGLangConfig, index: int) -> list[str]:
         f"{cfg.mem_fraction:g}",
         "--skip-tokenizer-init",
     ]
+    if cfg.context_length is not None:
+        cmd += ["--context-length", str(cfg.context_length)]
     if cfg.return_routed_experts:
         cmd.append("--enable-return-routed-experts")
     if cfg.colocated:
         cmd.append("--enable-memory-saver")
+    if cfg.deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
     return cmd + list(cfg.extra_server_args)
 
 

@@ -108,6 +108,12 @@ def decode_routed_experts(
     encoded: Any, num_tokens: int, spec: RoutingSpec, url: str = "<recorded response>"
 ) -> torch.Tensor:
     """base64 int32 [num_tokens, L, K] -> compact tensor (uint8 / int16), with the ids range-checked."""
+    if isinstance(encoded, dict):
+        raise SGLangResponseError(
+            url,
+            "meta_info.routed_experts is a JSON object, not base64: SGLang 0.5.9 with --skip-tokenizer-init "
+            "serialises the tensor as {} (fixed in 0.5.10); R3 needs SGLang >= 0.5.10",
+        )
     if not isinstance(encoded, str):
         kind = type(encoded).__name__
         raise SGLangResponseError(url, f"meta_info.routed_experts is {kind}, expected a base64 string")
@@ -204,7 +210,13 @@ def decode_generate_response(
     version = parse_weight_version(meta.get("weight_version"), url)
     experts = None
     if routing is not None and finish != "abort":
-        encoded = _field(meta, "routed_experts", "meta_info", url)
+        if "routed_experts" not in meta:
+            raise SGLangResponseError(
+                url,
+                "response lacks meta_info.routed_experts (a server started without --enable-return-routed-experts, "
+                "or a router that dropped return_routed_experts from the request)",
+            )
+        encoded = meta["routed_experts"]
         experts = decode_routed_experts(encoded, len(prompt_ids) + len(response_ids) - 1, routing, url)
     return Rollout(
         prompt_ids=[int(t) for t in prompt_ids],

@@ -1,22 +1,29 @@
-"""SGLang's weight-update protocol: the `disk` and the `distributed` (NCCL) transports over its endpoints.
+"""SGLang's weight-update protocol: the file (`disk`, `shm`) and the `distributed` (NCCL) transports over its endpoints.
 
 Input of both: buckets of (Hugging Face name, full tensor) pairs in a fixed order (server/buckets.py; the
 exporter gathers TP / EP / PP shards and strips vocab padding; this module never sees Megatron).
 
-- disk: the buckets become a safetensors directory (server/transport.py, atomic), then every server gets `POST /update_weights_from_disk {model_path, weight_version}`.
-- distributed: once, `POST /init_weights_update_group` to every server while the trainer joins the same group
-  as rank 0 (SGLang's servers join with `init_custom_process_group`: a TCP store at
-  master_address:master_port, world size = 1 + the servers' GPUs, the trainer hosting the store). Per bucket:
+- disk / shm: the buckets become a safetensors directory (server/transport.py, atomic), then every server gets
+  `POST /update_weights_from_disk {model_path, weight_version, flush_cache: false}`.
+- distributed: once, `POST /init_weights_update_group` to every server while the trainer joins the same NCCL group
+  as rank 0 (SGLang's servers join with `init_custom_process_group`: a TCP store at master_address:master_port,
+  world size = 1 + the servers' GPUs, the trainer hosting the store). Per bucket:
   `POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}` to every server
   while the trainer broadcasts each tensor from rank 0, in list order. The last bucket carries the new
-  weight_version.
+  weight_version. Servers of SGLang >= 0.5.21 refuse that request (400, without joining the broadcast) outside
+  a weight-update session: for them the buckets go between `POST /begin_weight_update` and
+  `POST /end_weight_update` (versions.py).
+
+No update asks the server to flush its cache itself (`flush_cache: false`): a flush refused because requests
+are still running fails the update in 0.5.23 and kills 0.5.9's scheduler (an assert); the engine calls
+`/flush_cache` afterwards and retries it while it answers 400.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +47,7 @@ async def push_disk(
     target = Path(directory) / f"weights-v{version}"
     # On the caller's thread: the exporter may run collectives and CUDA work bound to this thread's device.
     write_checkpoint_dir(buckets, target)
-    payload = {"model_path": str(target), "weight_version": str(version)}
+    payload = {"model_path": str(target), "weight_version": str(version), "flush_cache": False}
     await asyncio.gather(*(post(url, "/update_weights_from_disk", payload) for url in urls))
     return target
 
@@ -61,8 +68,8 @@ class UpdateGroup(Protocol):
 
 
 GroupFactory = Callable[..., UpdateGroup]
-"""join_update_group's keyword signature: master_address, master_port, world_size, group_name, backend,
-timeout_s, device."""
+"""join_update_group's keyword signature: master_address, master_port, world_size, group_name, timeout_s, device.
+Tests inject a gloo implementation (tests/rollout/sglang/gloo_group.py); against real servers it is NCCL."""
 
 
 class TorchUpdateGroup:
@@ -102,36 +109,29 @@ def join_update_group(
     master_port: int,
     world_size: int,
     group_name: str,
-    backend: str,
     timeout_s: float,
     device: torch.device,
 ) -> TorchUpdateGroup:
-    """Joins the weight-update group as rank 0, hosting its TCP store; blocks until every server rank joined.
+    """Joins the NCCL weight-update group as rank 0, hosting its TCP store; blocks until every server rank joined.
 
     The store keys are prefixed exactly as on the server side: SGLang's `init_custom_process_group` wraps the
     rendezvous store in PrefixStore(group_name), torch's process-group helper adds f"{group_name}/" and the
-    per-device backend adds f"{device}/". Rank 0 publishes the NCCL unique id under that prefix.
+    per-device backend adds "cuda/". Rank 0 publishes the NCCL unique id under that prefix.
     """
     from torch.distributed import PrefixStore, TCPStore
 
+    if device.type != "cuda":
+        raise RuntimeError(
+            "sglang.weight_sync=distributed needs trainer rank 0 on a CUDA device (an NCCL group with the servers); "
+            "use sglang.weight_sync=disk or shm"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
     store = TCPStore(master_address, master_port, world_size, True, timeout)
     prefixed = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("sglang.group_backend=nccl needs a CUDA device (gloo is for tests only)")
-        opts = torch.distributed.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        opts.is_high_priority_stream = False
-        pg: Any = torch.distributed.ProcessGroupNCCL(PrefixStore("cuda/", prefixed), 0, world_size, opts)
-    elif backend == "gloo":
-        gloo = torch.distributed.ProcessGroupGloo
-        opts = gloo._Options()
-        opts._timeout = timeout
-        opts._devices = [gloo.create_device(hostname=master_address)]
-        pg = gloo(PrefixStore("cpu/", prefixed), 0, world_size, opts)
-    else:
-        raise ValueError(f"sglang.group_backend={backend!r} must be 'nccl' or 'gloo'")
+    opts = torch.distributed.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    opts.is_high_priority_stream = False
+    pg = torch.distributed.ProcessGroupNCCL(PrefixStore("cuda/", prefixed), 0, world_size, opts)
     return TorchUpdateGroup(store, pg, device)
 
 
@@ -144,14 +144,13 @@ async def init_update_group(
     master_port: int,
     gpus_per_server: int,
     group_name: str,
-    backend: str,
     timeout_s: float,
 ) -> UpdateGroup:
-    """Asks every server to join the group (server i's ranks start at 1 + i * gpus_per_server) while the
+    """Asks every server to join the NCCL group (server i's ranks start at 1 + i * gpus_per_server) while the
     trainer joins as rank 0 in a worker thread (both sides block until all ranks are in)."""
     world_size = 1 + gpus_per_server * len(urls)
     # Resolved here, on the caller's thread: a worker thread's current CUDA device is always 0.
-    cuda = backend == "nccl" and torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     joining = asyncio.ensure_future(
         in_daemon_thread(
@@ -160,7 +159,6 @@ async def init_update_group(
             master_port=master_port,
             world_size=world_size,
             group_name=group_name,
-            backend=backend,
             timeout_s=timeout_s,
             device=device,
         )
@@ -176,7 +174,7 @@ async def init_update_group(
                     "rank_offset": 1 + i * gpus_per_server,
                     "world_size": world_size,
                     "group_name": group_name,
-                    "backend": backend,
+                    "backend": "nccl",
                 },
             )
         )
@@ -200,26 +198,37 @@ async def push_distributed(
     group: UpdateGroup,
     group_name: str,
     version: int,
+    session_urls: Collection[str] = (),
 ) -> list[str]:
-    """Sends every bucket to every server over the update group; returns the names sent, in order."""
+    """Sends every bucket to every server over the update group; returns the names sent, in order.
+
+    The servers in `session_urls` (SGLang >= 0.5.21) get `/begin_weight_update` before the first bucket and
+    `/end_weight_update` after the last; after a failure their session is still ended (best effort), so that
+    the next sync can open one.
+    """
+    opened = [url for url in urls if url in session_urls]
+    await asyncio.gather(*(post(url, "/begin_weight_update", {}) for url in opened))
     names_sent: list[str] = []
-    for bucket, last in with_last(buckets):
-        payload: dict[str, Any] = {
-            "names": [name for name, _ in bucket],
-            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": group_name,
-            "flush_cache": False,  # one explicit /flush_cache after the last bucket
-        }
-        if last:
-            payload["weight_version"] = str(version)
-        path = "/update_weights_from_distributed"
-        requests = [asyncio.ensure_future(post(url, path, payload)) for url in urls]
-        sending = asyncio.ensure_future(in_daemon_thread(broadcast_bucket, group, bucket))
-        await all_or_first_error([sending, *requests])
-        names_sent.extend(payload["names"])
-    if not names_sent:
-        raise ValueError("weight exporter yielded no tensors")
+    try:
+        for bucket, last in with_last(buckets):
+            payload: dict[str, Any] = {
+                "names": [name for name, _ in bucket],
+                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": group_name,
+                "flush_cache": False,  # one explicit /flush_cache after the last bucket
+            }
+            if last:
+                payload["weight_version"] = str(version)
+            path = "/update_weights_from_distributed"
+            requests = [asyncio.ensure_future(post(url, path, payload)) for url in urls]
+            sending = asyncio.ensure_future(in_daemon_thread(broadcast_bucket, group, bucket))
+            await all_or_first_error([sending, *requests])
+            names_sent.extend(payload["names"])
+        if not names_sent:
+            raise ValueError("weight exporter yielded no tensors")
+    except BaseException:
+        await asyncio.gather(*(post(url, "/end_weight_update", {}) for url in opened), return_exceptions=True)
+        raise
+    await asyncio.gather(*(post(url, "/end_weight_update", {}) for url in opened))
     return names_sent
-
-

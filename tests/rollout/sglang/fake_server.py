@@ -1,11 +1,22 @@
 """A fake SGLang server for tests: SGLang 0.5.x's native HTTP shapes (REFERENCE.md §4) and its failure modes.
 
 In-process: `FakeSGLang(...).start()` serves an aiohttp app from a background thread (own event loop) on
-127.0.0.1:<free port>. As a subprocess (launch-mode tests):
-`python -m tests.rollout.sglang.fake_server --host H --port P [SGLang's flags, ignored] [--fake-* knobs]`.
+127.0.0.1:<free port>, behaving as a server started with --skip-tokenizer-init --enable-return-routed-experts
+--enable-memory-saver --enable-deterministic-inference of release `version`. As a subprocess (launch-mode tests):
+`python -m tests.rollout.sglang.fake_server --host H --port P [SGLang's flags] [--fake-* knobs]`, where those
+SGLang flags mean what they mean to SGLang (off unless given).
 
-Generation is deterministic: tokens come from an LCG seeded by the prompt and `sampling_seed`, so tests can
-recompute what a request must return (`fake_tokens`, `fake_logprob`, `fake_routed_experts`).
+What SGLang does and the fake copies (read in SGLang 0.5.9 / 0.5.23's source; rollout/sglang/versions.py):
+- `sampling_seed` is used only with deterministic inference; otherwise every request samples afresh;
+- from 0.5.21, /update_weights_from_distributed outside /begin_weight_update ... /end_weight_update answers 400
+  without joining the broadcast (older releases have no such endpoints: 404);
+- 0.5.9 with --skip-tokenizer-init returns routed experts as `{}`;
+- /release_memory_occupation asserts that the server is idle: a release while requests run kills the scheduler
+  (recorded in `release_violations`; the fake then answers 500), as does generating on released memory;
+- prompt + max_new_tokens >= context length answers 400.
+
+Generation is deterministic when seeded: tokens come from an LCG seeded by the prompt and `sampling_seed`, so tests
+can recompute what a request must return (`fake_tokens`, `fake_logprob`, `fake_routed_experts`).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import base64
 import datetime
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -65,11 +77,30 @@ class FakeSGLang:
         topk: int = 2,
         num_experts: int = 8,
         model_path: str = "fake-model",
+        version: str = "0.5.23",
+        deterministic_inference: bool = True,
+        return_routed_experts: bool = True,
+        memory_saver: bool = True,
+        skip_tokenizer_init: bool = True,
+        context_length: int | None = None,
     ):
         self.host, self.port = host, port
         self.vocab_size, self.num_layers = vocab_size, num_layers
         self.topk, self.num_experts = topk, num_experts
         self.model_path = model_path
+        # what the server was started as (its /server_info)
+        self.version = version
+        """SGLang release the fake behaves as."""
+        self.deterministic_inference = deterministic_inference
+        """--enable-deterministic-inference: only then is sampling_seed used."""
+        self.return_routed_experts = return_routed_experts
+        """--enable-return-routed-experts."""
+        self.memory_saver = memory_saver
+        """--enable-memory-saver."""
+        self.skip_tokenizer_init = skip_tokenizer_init
+        """--skip-tokenizer-init."""
+        self.context_length = context_length
+        """--context-length; None: no limit (the fake has no model config to derive one from)."""
         # failure knobs
         self.health_503 = 0
         """The first k /health_generate (and /health) calls answer 503 (server starting)."""
@@ -108,6 +139,13 @@ class FakeSGLang:
         self.weights: dict[str, Any] = {}
         self.paused = False
         self.dead = False
+        self.session_open = False
+        """A weight-update session is open (SGLang >= 0.5.21)."""
+        self.released = False
+        """GPU memory released (/release_memory_occupation) and not resumed yet."""
+        self.release_violations: list[str] = []
+        """What would have killed a real SGLang scheduler: a release while requests ran, a generation while
+        released."""
         self._group: Any = None
         self._store: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -119,9 +157,13 @@ class FakeSGLang:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def release(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.version.split("."))
+
     def paths(self) -> list[str]:
-        """Paths of the calls received, in order (health checks left out)."""
-        return [p for p, _ in self.calls if p not in ("/health_generate", "/health")]
+        """Paths of the calls received, in order (health checks and the start-up /server_info left out)."""
+        return [p for p, _ in self.calls if p not in ("/health_generate", "/health", "/server_info")]
 
     # ---------------------------------------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -132,6 +174,10 @@ class FakeSGLang:
             r.add_get(path, self.health)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/get_model_info", self.model_info)
+        r.add_get("/server_info", self.server_info)
+        if self.release >= (0, 5, 21):  # the endpoints exist from 0.5.21 on (404 before, as any unknown path)
+            r.add_post("/begin_weight_update", self.begin_update)
+            r.add_post("/end_weight_update", self.end_update)
         r.add_post("/update_weights_from_disk", self.update_from_disk)
         r.add_post("/init_weights_update_group", self.init_group)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
@@ -173,6 +219,18 @@ class FakeSGLang:
         body, number, failure = await self._admit(request)
         if failure is not None:
             return failure
+        if self.released or self.release_violations:
+            self.release_violations.append(f"/generate {body.get('rid')} while the memory was released")
+            return web.json_response({"error": {"message": "scheduler died"}}, status=500)
+        params = body.get("sampling_params") or {}
+        if self.context_length is not None:
+            total = len(body["input_ids"]) + int(params.get("max_new_tokens", 128))
+            if total >= self.context_length:
+                message = (
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{self.context_length} tokens. You requested a total of {total} tokens"
+                )
+                return web.json_response({"error": {"message": message}}, status=400)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -185,11 +243,12 @@ class FakeSGLang:
         if self.malformed_json > 0:
             self.malformed_json -= 1
             return web.Response(body=b'{"text": "", "output_ids": [1, 2', content_type="application/json")
-        params = body.get("sampling_params") or {}
         prompt = body["input_ids"]
         stop_ids = list(params.get("stop_token_ids") or [])
         max_new = int(params.get("max_new_tokens", 128))
         seed = params.get("sampling_seed")
+        if not self.deterministic_inference:  # SGLang ignores sampling_seed then: every request samples afresh
+            seed = random.randrange(2**31)
         if self.vary_per_request:
             seed = (seed or 0) + 7919 * number
         tokens = fake_tokens(prompt, seed, max_new, stop_ids, self.vocab_size)
@@ -212,10 +271,13 @@ class FakeSGLang:
         }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[fake_logprob(t), t, None] for t in tokens]
-        if body.get("return_routed_experts"):
+        if body.get("return_routed_experts") and self.return_routed_experts:
             num_tokens = len(prompt) + len(tokens) - 1
             rows = fake_routed_experts(num_tokens, self.num_layers, self.topk, self.num_experts)
-            meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
+            if self.skip_tokenizer_init and self.release < (0, 5, 10):
+                meta["routed_experts"] = {}  # 0.5.9: the raw tensor through FastAPI's encoder
+            else:
+                meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
         for key in self.drop_fields:
             meta.pop(key, None)
         return web.json_response({"text": "", "output_ids": tokens, "meta_info": meta})
@@ -238,7 +300,46 @@ class FakeSGLang:
             self.paused = True
         elif request.path == "/continue_generation":
             self.paused = False
+        elif request.path == "/release_memory_occupation":
+            if self.in_flight:  # SGLang: assert self.is_fully_idle(): the scheduler process dies
+                self.release_violations.append(f"release with {self.in_flight} request(s) running")
+                return web.json_response({"error": {"message": "scheduler died"}}, status=500)
+            self.released = True
+            return web.Response(status=200)
+        elif request.path == "/resume_memory_occupation":
+            self.released = False
+            return web.Response(status=200)
         return web.json_response({"message": "ok", "status": "ok"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        self.calls.append((request.path, None))
+        info = {
+            "version": self.version,
+            "model_path": self.model_path,
+            "skip_tokenizer_init": self.skip_tokenizer_init,
+            "enable_return_routed_experts": self.return_routed_experts,
+            "enable_memory_saver": self.memory_saver,
+            "enable_deterministic_inference": self.deterministic_inference,
+            "context_length": self.context_length,
+            "weight_version": self.weight_version,
+        }
+        return web.json_response(info)
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        await self._payload(request)
+        if self.session_open:
+            message = "a weight-update session is already open; call end_weight_update() first"
+            return web.json_response({"success": False, "message": message}, status=400)
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        await self._payload(request)
+        if not self.session_open:
+            message = "no weight-update session is open; call begin_weight_update() first"
+            return web.json_response({"success": False, "message": message}, status=400)
+        self.session_open = False
+        return web.json_response({"success": True, "message": "Success"})
 
     async def model_info(self, request: web.Request) -> web.Response:
         info = {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version}
@@ -276,9 +377,8 @@ class FakeSGLang:
         p = await self._payload(request)
         if not self.join_groups:
             return web.json_response({"success": True, "message": "recorded"})
-        if p["backend"] != "gloo":
-            refusal = {"success": False, "message": "the fake joins gloo groups only"}
-            return web.json_response(refusal, status=400)
+        # A real server joins with the requested backend (NCCL); the fake, on a CPU, joins with gloo (the tests'
+        # trainer side does too: tests/rollout/sglang/gloo_group.py).
         await asyncio.to_thread(self._join, p)
         return web.json_response({"success": True, "message": "Succeeded to initialize the group."})
 
@@ -300,6 +400,9 @@ class FakeSGLang:
         p = await self._payload(request)
         if (refused := self._refuse()) is not None:
             return refused
+        if self.release >= (0, 5, 21) and not self.session_open:  # refused before joining the broadcast
+            message = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            return web.json_response({"success": False, "message": message}, status=400)
         if self._group is not None:
             self.weights.update(await asyncio.to_thread(self._receive, p))
         if p.get("weight_version") is not None:
@@ -377,6 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model-path", default="fake-model")
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--fake-version", default="0.5.23")
     parser.add_argument("--fake-health-503", type=int, default=0)
     parser.add_argument("--fake-exit-code", type=int, default=None, help="exit at once with this code")
     parser.add_argument("--fake-child-pid-file", default=None, help="spawn a child (like SGLang's scheduler)")
@@ -389,7 +498,17 @@ def main(argv: list[str] | None = None) -> None:
         tmp = args.fake_child_pid_file + ".tmp"
         Path(tmp).write_text(f"{os.getpid()} {child.pid}")
         os.replace(tmp, args.fake_child_pid_file)
-    server = FakeSGLang(host=args.host, port=args.port, model_path=args.model_path)
+    server = FakeSGLang(
+        host=args.host,
+        port=args.port,
+        model_path=args.model_path,
+        version=args.fake_version,
+        deterministic_inference=args.enable_deterministic_inference,
+        return_routed_experts=args.enable_return_routed_experts,
+        memory_saver=args.enable_memory_saver,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        context_length=args.context_length,
+    )
     server.health_503 = args.fake_health_503
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
 

@@ -32,6 +32,9 @@ def test_server_command_lines():
         num_moe_layers=48,
         moe_topk=8,
         colocated=True,
+        weight_sync="shm",
+        deterministic_inference=True,
+        context_length=9217,
         extra_server_args=["--dtype", "bfloat16"],
     )
     assert server_command(cfg, 1) == [
@@ -43,12 +46,16 @@ def test_server_command_lines():
         "--base-gpu-id", "4",
         "--mem-fraction-static", "0.7",
         "--skip-tokenizer-init",
+        "--context-length", "9217",
         "--enable-return-routed-experts",
         "--enable-memory-saver",
+        "--enable-deterministic-inference",
         "--dtype", "bfloat16",
     ]  # fmt: skip
     plain = server_command(SGLangConfig(model_path="m"), 0)
-    assert "--enable-return-routed-experts" not in plain and "--enable-memory-saver" not in plain
+    for flag in ("--enable-return-routed-experts", "--enable-memory-saver", "--enable-deterministic-inference"):
+        assert flag not in plain
+    assert "--context-length" not in plain
     with pytest.raises(ValueError, match="server index 2"):
         server_command(cfg, 2)
     assert router_command(cfg, ["http://a:1", "http://b:2"]) == [
@@ -72,15 +79,24 @@ def test_server_command_lines():
         (dict(return_routed_experts=True, num_experts=8, moe_topk=2), "sglang.num_moe_layers=None"),
         (dict(return_routed_experts=True, num_experts=8, num_moe_layers=2, moe_topk=9), "moe_topk=9 exceeds"),
         (dict(port_base=70000), "sglang.port_base=70000"),
-        (dict(group_backend="mpi"), "sglang.group_backend='mpi'"),
         (dict(router_url="http://r:1"), "sglang.router_url is for attach mode"),
+        (dict(context_length=1), "sglang.context_length=1"),
+        # issue 16 item 4: NCCL refuses a group with a trainer rank and a server rank on one GPU
+        (dict(colocated=True), "sglang.colocated=true with sglang.weight_sync=distributed .* NCCL refuses"),
+        # issue 16 item 2: sglang-router 0.3.2 re-sends /generate without return_routed_experts
+        (dict(router=True, return_routed_experts=True, num_experts=8, num_moe_layers=2, moe_topk=2),
+         "sglang.return_routed_experts=true with sglang.router=true: sglang-router 0.3.2 re-sends"),
+        (dict(mode="attach", urls=["http://s:1"], router_url="http://r:1", return_routed_experts=True,
+              num_experts=8, num_moe_layers=2, moe_topk=2), "with sglang.router_url: sglang-router"),
+        # issue 16 item 8: the weight-update group is NCCL against a real server; gloo is only the tests' factory
+        (dict(group_backend="gloo"), "unknown option sglang.group_backend"),
     ],
 )
 def test_config_errors_name_the_key(fields, message):
     base = dict(model_path="m")
     base.update(fields)
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace("+", "\\+")):
-        SGLangConfig(**base)
+        SGLangConfig.from_dict(base)
 
 
 def launch_config(tmp_path, port: int, *extra: str) -> SGLangConfig:

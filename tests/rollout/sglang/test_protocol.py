@@ -174,3 +174,14 @@ def test_generate_payload_shape():
     plain = build_generate_payload([1], SamplingParams(top_k=5), rid="q")
     assert "sampling_seed" not in plain["sampling_params"] and "return_routed_experts" not in plain
     assert plain["sampling_params"]["top_k"] == 5
+
+
+def test_routed_experts_of_sglang_0_5_9_name_the_release():
+    """0.5.9 with --skip-tokenizer-init sends the routes as {} (issue 16 item 3); the error says why and what fixes it."""
+    body = recorded()
+    body["meta_info"]["routed_experts"] = {}
+    with pytest.raises(SGLangResponseError, match=r"routed_experts is a JSON object.*SGLang 0\.5\.9.*>= 0\.5\.10"):
+        decode_generate_response(body, url=URL, prompt_ids=[5, 6, 7], routing=SPEC)
+    del body["meta_info"]["routed_experts"]
+    with pytest.raises(SGLangResponseError, match="lacks meta_info.routed_experts .*router that dropped"):
+        decode_generate_response(body, url=URL, prompt_ids=[5, 6, 7], routing=SPEC)

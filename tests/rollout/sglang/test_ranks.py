@@ -133,3 +133,41 @@ def test_request_seeds_include_the_data_parallel_rank(fake_servers):
     (server,) = fake_servers(1)
     rank0, rank1 = run_distributed(_data_parallel_seeds, server.url, world_size=2, timeout=120)
     assert len(set(rank0 + rank1)) == 4  # the same prompt on two DP replicas gets independent samples
+
+
+def _colocated_rank(url: str, sync_dir: str) -> dict:
+    """A colocated DP=2 step as the trainer runs it: generate, release, (train), resume, sync, generate."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    options = dict(mode="attach", urls=[url], colocated=True, weight_sync="disk", weight_sync_dir=sync_dir,
+                   backoff_s=0.01)
+    engine = make_sglang_engine(runtime(options), exporter=collective_exporter)
+    rank = dist.get_rank()
+    try:
+        if rank == 1:
+            time.sleep(1.0)  # this rank's rollouts start, and end, later than rank 0's
+        engine.generate([[rank + 1, 2, 3]], SamplingParams(max_new_tokens=3, n=2))
+        engine.release_memory()
+        engine.resume_memory()
+        engine.update_weights([("w", torch.ones(2))], version=1)
+        (after,) = engine.generate([[rank + 5, 6]], SamplingParams(max_new_tokens=2))
+        return {"version": after.weight_version}
+    finally:
+        engine.close()
+
+
+def test_colocated_release_waits_for_every_ranks_generation(fake_servers, tmp_path):
+    """Issue 16 item 5: SGLang asserts it is idle when /release_memory_occupation arrives (its scheduler dies
+    otherwise). On main rank 0 released right after its own rollouts, while rank 1's were still to come."""
+    (server,) = fake_servers(1)
+    server.generate_delay_s = 0.3
+    results = run_distributed(_colocated_rank, server.url, str(tmp_path), world_size=2, timeout=180)
+    assert server.release_violations == []
+    paths = server.paths()
+    release = paths.index("/release_memory_occupation")
+    assert paths.count("/release_memory_occupation") == 1  # the leader's, once
+    assert paths[:release].count("/generate") == 4 and paths[release + 1] == "/resume_memory_occupation"
+    assert [r["version"] for r in results] == [1, 1]

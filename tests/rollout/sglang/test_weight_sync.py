@@ -1,6 +1,9 @@
-"""SGLang weight sync against fake servers: the disk protocol and the distributed (NCCL-shaped) protocol."""
+"""SGLang weight sync against fake servers: the file protocol (disk, shm) and the distributed (NCCL-shaped) one,
+in both of SGLang's weight-update protocols (with and without /begin_weight_update, versions.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 from megatron_gspo.rollout.sglang import SGLangError
 from megatron_gspo.rollout.types import SamplingParams
 from tests.rollout.server.test_transport import MB, named_weights
+from tests.rollout.sglang.gloo_group import join_gloo_group
 
 
 def test_disk_sync_content_version_and_order_of_calls(fake_servers, attach, tmp_path):
@@ -27,7 +31,7 @@ def test_disk_sync_content_version_and_order_of_calls(fake_servers, attach, tmp_
         assert paths[0] == "/pause_generation" and paths[1] == "/update_weights_from_disk"
         assert paths[-1] == "/continue_generation" and paths[-2] == "/flush_cache"
         loads = [p for path, p in server.calls if path == "/update_weights_from_disk"]
-        assert loads == [{"model_path": str(tmp_path / "weights-v1"), "weight_version": "1"}]
+        assert loads == [{"model_path": str(tmp_path / "weights-v1"), "weight_version": "1", "flush_cache": False}]
     assert servers[0].flush_count == 3
     # rollouts now carry the new version; the previous version's directory is removed at the next sync
     assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].weight_version == 1
@@ -66,8 +70,11 @@ class RecordingGroup:
         self.closed = True
 
 
-def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach):
-    servers = fake_servers(2)
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach, version):
+    """Issue 16 item 1: from SGLang 0.5.21 the updates go between /begin_weight_update and /end_weight_update
+    (0.5.23 refuses them outside); 0.5.9 has neither endpoint."""
+    servers = fake_servers(2, version=version)
     for s in servers:
         s.join_groups = False
     groups: list[RecordingGroup] = []
@@ -78,13 +85,15 @@ def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach):
 
     weights = named_weights()
     engine = attach(servers, group_factory=factory, tp_size=2, bucket_mb=300 / MB, master_port=29555)
+    assert {info.version for info in engine.server_info.values()} == {version}
     engine.push_weights(iter(weights), version=1)
     engine.push_weights(iter(weights), version=2)
     assert len(groups) == 1  # the group is created once
     (group,) = groups
     assert group.kwargs["world_size"] == 5 and group.kwargs["master_port"] == 29555
-    assert group.kwargs["backend"] == "nccl" and group.kwargs["group_name"] == "weight_update_group"
+    assert group.kwargs["group_name"] == "weight_update_group" and "backend" not in group.kwargs
     assert [t is w for t, (_, w) in zip(group.sent, weights + weights)] == [True] * 12  # list order, twice
+    session = version == "0.5.23"
     for i, server in enumerate(servers):
         init = [p for path, p in server.calls if path == "/init_weights_update_group"]
         assert init == [
@@ -94,7 +103,7 @@ def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach):
                 "rank_offset": 1 + 2 * i,
                 "world_size": 5,
                 "group_name": "weight_update_group",
-                "backend": "nccl",
+                "backend": "nccl",  # issue 16 item 8: what the server joins is NCCL
             }
         ]
         updates = [p for path, p in server.calls if path == "/update_weights_from_distributed"]
@@ -106,17 +115,28 @@ def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach):
         versions = [p.get("weight_version") for p in updates]
         assert versions.count("1") == 1 and versions.count("2") == 1 and versions[-1] == "2"
         paths = server.paths()
-        first_three = ["/pause_generation", "/init_weights_update_group", "/update_weights_from_distributed"]
-        assert paths[:3] == first_three
-        assert paths[-2:] == ["/flush_cache", "/continue_generation"]
-        assert server.weight_version == "2"
+        per_sync = len(updates) // 2
+        one_sync = (
+            ["/pause_generation"]
+            + (["/begin_weight_update"] if session else [])
+            + ["/update_weights_from_distributed"] * per_sync
+            + (["/end_weight_update"] if session else [])
+            + ["/flush_cache", "/continue_generation"]
+        )
+        assert paths == [one_sync[0], "/init_weights_update_group", *one_sync[1:], *one_sync]
+        assert server.weight_version == "2" and not server.session_open
 
 
-def test_distributed_sync_over_a_real_gloo_group(fake_servers, attach):
-    """The trainer joins as rank 0 the way SGLang servers join (TCP store + prefixes); broadcasts are real."""
-    servers = fake_servers(2)
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_distributed_sync_over_a_real_gloo_group(fake_servers, attach, version):
+    """The trainer joins as rank 0 the way SGLang servers join (TCP store + prefixes); broadcasts are real. On main
+    the 0.5.23 server refuses the update without joining the broadcast, and the trainer's broadcast hangs until
+    the group's timeout (issue 16 item 1)."""
+    servers = fake_servers(2, version=version)
     weights = named_weights()
-    engine = attach(servers, group_backend="gloo", bucket_mb=600 / MB, weight_sync_timeout_s=30)
+    engine = attach(
+        servers, group_factory=join_gloo_group, bucket_mb=600 / MB, weight_sync_timeout_s=20
+    )
     engine.push_weights(iter(weights), version=1)
     changed = [(n, t + 1) for n, t in weights]
     engine.push_weights(iter(changed), version=2)
@@ -128,7 +148,7 @@ def test_distributed_sync_over_a_real_gloo_group(fake_servers, attach):
 
 
 def test_failed_distributed_sync_drops_the_group_and_the_next_sync_rebuilds_it(fake_servers, attach):
-    servers = fake_servers(2)
+    servers = fake_servers(2)  # 0.5.23: the failed sync's session must be closed too, or the next begin is refused
     for s in servers:
         s.join_groups = False
     groups: list[RecordingGroup] = []
@@ -143,6 +163,7 @@ def test_failed_distributed_sync_drops_the_group_and_the_next_sync_rebuilds_it(f
         engine.push_weights(iter(named_weights()), version=1)
     assert groups[0].closed and engine.weight_version == 0
     assert all("/destroy_weights_update_group" in s.paths() for s in servers)
+    assert not any(s.session_open for s in servers)
     servers[1].fail_update = False
     engine.push_weights(iter(named_weights()), version=1)
     assert len(groups) == 2 and not groups[1].closed and engine.weight_version == 1
@@ -150,9 +171,34 @@ def test_failed_distributed_sync_drops_the_group_and_the_next_sync_rebuilds_it(f
     assert groups[1].closed and all(s.paths().count("/destroy_weights_update_group") == 2 for s in servers)
 
 
+def test_trainer_side_of_the_group_is_nccl(fake_servers, attach):
+    """Issue 16 item 8: without an injected factory the trainer joins with NCCL, which needs rank 0 on CUDA; on a
+    CPU that is a clear error (never a gloo group that a real server, joining NCCL, would leave hanging)."""
+    (server,) = fake_servers(1)
+    server.join_groups = False
+    engine = attach([server], weight_sync_timeout_s=5)
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    with pytest.raises(RuntimeError, match="needs trainer rank 0 on a CUDA device"):
+        engine.push_weights(iter(named_weights()), version=1)
+
+
+def test_shm_sync_writes_under_dev_shm_and_frees_it_at_close(fake_servers, attach):
+    """Item 4's colocated transport on one host: safetensors in RAM (/dev/shm), removed when the engine closes."""
+    (server,) = fake_servers(1)
+    engine = attach([server], colocated=True, weight_sync="shm")
+    engine.push_weights(iter(named_weights()), version=1)
+    (load,) = [p for path, p in server.calls if path == "/update_weights_from_disk"]
+    path = Path(load["model_path"])
+    assert path.parent.parent == Path("/dev/shm") and path.name == "weights-v1"
+    assert sorted(server.weights) == sorted(n for n, _ in named_weights())
+    engine.close()
+    assert not path.parent.exists()
+
+
 def test_memory_saver_calls(fake_servers, attach):
     servers = fake_servers(2)
-    engine = attach(servers, colocated=True)
+    engine = attach(servers, colocated=True, weight_sync="shm")
     engine.release_memory(["kv_cache", "weights"])
     engine.resume_memory()
     for s in servers:
