@@ -15,8 +15,16 @@ def _aux_loss_models_of_two_depths():
     for layers in (2, 3):  # the aux-loss tracker of the 2-layer model must not meet the 3-layer one
         initialize(ParallelConfig(), seed=0)
         try:
-            cfg = preset("tiny", num_hidden_layers=layers, hidden_size=32, num_attention_heads=2, head_dim=16,
-                         num_key_value_heads=1, moe_intermediate_size=16, router_aux_loss_coef=0.01)
+            cfg = preset(
+                "tiny",
+                num_hidden_layers=layers,
+                hidden_size=32,
+                num_attention_heads=2,
+                head_dim=16,
+                num_key_value_heads=1,
+                moe_intermediate_size=16,
+                router_aux_loss_coef=0.01,
+            )
             (model,) = build_model(cfg, ParallelConfig())
             model.train()
             ids = torch.randint(0, cfg.vocab_size, (2, 6))
