@@ -98,7 +98,10 @@ def _variant_band(by_seed: dict, key: str, source: str, smooth: int):
     return seed_band(curves)
 
 
-def _band_plot(ax, runs: dict, key: str, *, source: str = "metrics", scale: float = 1.0, smooth: int = SMOOTH) -> bool:
+def _band_plot(
+    ax, runs: dict, key: str, *, source: str = "metrics", scale: float = 1.0, smooth: int = SMOOTH,
+    linestyle: str = "-", suffix: str = "",
+) -> bool:
     """Per variant: the mean over seeds (line) and the min..max over seeds (shaded). True if anything drawn."""
     drawn = False
     for variant, by_seed in runs.items():
@@ -107,8 +110,8 @@ def _band_plot(ax, runs: dict, key: str, *, source: str = "metrics", scale: floa
             continue
         color = VARIANT_COLORS.get(variant)
         n = max(band.seeds)
-        ax.plot(band.steps, [m * scale for m in band.mean], color=color,
-                marker="o" if source == "eval" else None, markersize=3, label=f"{variant} (n={n})")
+        ax.plot(band.steps, [m * scale for m in band.mean], color=color, linestyle=linestyle,
+                marker="o" if source == "eval" else None, markersize=3, label=f"{variant}{suffix} (n={n})")
         if n > 1:
             ax.fill_between(band.steps, [v * scale for v in band.low], [v * scale for v in band.high], color=color,
                             alpha=0.18, linewidth=0)
@@ -139,6 +142,8 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_gspo.training.stability_report import curve
+
     runs = {v: s for v, s in runs.items() if s}
     plots = Path(out_dir) / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -159,11 +164,14 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     _band_plot(axes[0], runs, "expert_drift", scale=100)
-    axes[0].set_ylabel("expert drift per update (%)")
-    axes[0].set_title("1 - mean |S_old ∩ S_new| / k (response tokens, MoE layers)", fontsize=9)
+    _band_plot(axes[0], runs, "expert_drift_rollout", scale=100, linestyle="--", suffix=", K steps")
+    axes[0].set_ylabel("expert drift (%)")
+    axes[0].set_title("1 - mean |S_old ∩ S_new| / k over response tokens and MoE layers\n"
+                      "solid: after 1 optimizer step, dashed: after the K steps of the rollout batch", fontsize=9)
     _band_plot(axes[1], runs, "expert_drift_tokens_changed", scale=100)
+    _band_plot(axes[1], runs, "expert_drift_rollout_tokens_changed", scale=100, linestyle="--", suffix=", K steps")
     axes[1].set_ylabel("tokens changed in >= 1 layer (%)")
-    axes[1].set_title(f"Routing change after one optimizer step ({SMOOTH}-step moving average)", fontsize=9)
+    axes[1].set_title(f"Tokens whose top-k set changed in any layer\n({band_note})", fontsize=9)
     written.append(_finish(fig, list(axes), plots / "expert_drift.png"))
 
     layer_keys = sorted(
@@ -194,7 +202,7 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
               ("clip_frac_low_seq", "responses below 1 - eps_low"), ("clip_frac_high_seq", "responses above 1 + eps_high"))
     for ax, (key, title) in zip(axes.flat, panels):
         _band_plot(ax, runs, key)
-        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.set_yscale("log", nonpositive="mask")  # GSPO and GRPO clip fractions lie orders of magnitude apart
         ax.set_title(f"clipped {title}", fontsize=9)
         ax.set_ylabel("fraction")
     fig.suptitle(f"Clip fractions (GSPO: eps 3e-4 / 4e-4; GRPO: 0.2 / 0.27), {band_note}", fontsize=9)
@@ -202,7 +210,7 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     drawn = _band_plot(axes[0], runs, "mismatch_kl", smooth=1)
-    axes[0].set_yscale("symlog", linthresh=1e-9)
+    axes[0].set_yscale("log", nonpositive="mask")
     axes[0].set_ylabel("KL(pi_rollout || pi_train), k3")
     axes[0].set_title("Train / inference log-prob mismatch (same tokens, same weights)", fontsize=9)
     if not drawn:
@@ -212,5 +220,8 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
     axes[1].set_title("Rollout-engine routes vs trainer routes (1 - overlap / k)", fontsize=9)
     if not drawn:
         axes[1].text(0.5, 0.5, "engine records no routes", ha="center", transform=axes[1].transAxes)
+    elif all(v == 0 for by_seed in runs.values() for d in by_seed.values() for _, v in curve(d, "routing_mismatch")):
+        axes[1].text(0.5, 0.6, "0 at every step: the engine routed exactly as the trainer", ha="center",
+                     transform=axes[1].transAxes, fontsize=8)
     written.append(_finish(fig, list(axes), plots / "train_inference_mismatch.png"))
     return written

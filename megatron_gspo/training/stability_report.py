@@ -117,6 +117,8 @@ def collapse_verdict(
 _MEAN_KEYS = {
     "expert_drift": "expert_drift",
     "tokens_changed": "expert_drift_tokens_changed",
+    "drift_rollout": "expert_drift_rollout",
+    "tokens_changed_rollout": "expert_drift_rollout_tokens_changed",
     "clip_low_tok": "clip_frac_low_tok",
     "clip_high_tok": "clip_frac_high_tok",
     "clip_low_seq": "clip_frac_low_seq",
@@ -158,7 +160,8 @@ def summarise_run(run_dir: Path) -> dict:
     out["eval_gain"] = out["eval_after"] - out["eval_before"]
     out.update({name: _mean(rows, key) for name, key in _MEAN_KEYS.items()})
     full_lr = [r for r in rows if int(r["step"]) >= _first_full_lr_step(run_dir)]
-    for name in ("expert_drift", "tokens_changed"):  # the drift of a warm-up update measures the warm-up
+    for name in ("expert_drift", "tokens_changed", "drift_rollout", "tokens_changed_rollout"):
+        # the drift of a warm-up update measures the warm-up
         out[name] = _mean(full_lr, _MEAN_KEYS[name])
     return out
 
@@ -229,6 +232,8 @@ AGGREGATED = (
     "eval_gain",
     "expert_drift",
     "tokens_changed",
+    "drift_rollout",
+    "tokens_changed_rollout",
     "clip_low_tok",
     "clip_high_tok",
     "clip_low_seq",
@@ -279,16 +284,17 @@ def write_report(
         "## Variants (mean ± std over seeds)",
         "",
         "| variant | seeds | collapsed | final reward | best reward | held-out before | held-out after | gain (pts) "
-        "| expert drift (%) | tokens changed (%) | clip low tok | clip high tok | clip low seq | clip high seq "
-        "| train/infer KL | s per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| drift / step (%) | tokens changed / step (%) | drift / rollout batch (%) | tokens changed / rollout "
+        "batch (%) | clip low tok | clip high tok | clip low seq | clip high seq | train/infer KL | s per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, a in agg.items():
         lines.append(
             f"| {v} | {a['runs']} | {a['collapsed']}/{a['runs']} | {_pm(a['final_reward'], 3)} "
             f"| {_pm(a['best_reward'], 3)} | {_pm(a['eval_before'], 3)} | {_pm(a['eval_after'], 3)} "
             f"| {_pm(a['eval_gain'], 1, scale=100)} | {_pm(a['expert_drift'], 2, scale=100)} "
-            f"| {_pm(a['tokens_changed'], 1, scale=100)} | {_sci(a['clip_low_tok'])} | {_sci(a['clip_high_tok'])} "
+            f"| {_pm(a['tokens_changed'], 1, scale=100)} | {_pm(a['drift_rollout'], 2, scale=100)} "
+            f"| {_pm(a['tokens_changed_rollout'], 1, scale=100)} | {_sci(a['clip_low_tok'])} | {_sci(a['clip_high_tok'])} "
             f"| {_sci(a['clip_low_seq'])} | {_sci(a['clip_high_seq'])} | {_sci(a['mismatch_kl'])} "
             f"| {_pm(a['wall_seconds'], 0)} |"
         )
@@ -318,9 +324,11 @@ def write_report(
         "- Expert drift (GSPO paper §5.3): 1 - mean |S_old ∩ S_new| / k over the response tokens and MoE layers of "
         "the first minibatch, top-k sets under pi_old vs after the first optimizer step of the rollout batch; "
         "tokens changed: the fraction of those tokens whose top-k set changed in at least one layer. Means over "
-        "the RL steps whose first update ran at the peak learning rate (after warm-up).",
-        "- Clip fractions: share of response tokens (tok) and of responses (seq) whose ratio lies below 1 - eps_low "
-        "(low) or above 1 + eps_high (high), means over steps and minibatches.",
+        "the RL steps whose first update ran at the peak learning rate (after warm-up). Per rollout batch: the "
+        "same sample's pi_old routes vs the routes after all K optimizer steps of the rollout batch.",
+        "- Clip fractions: share of response tokens (tok) and mean per-response share (seq; for GSPO the share of "
+        "responses) where the clip is active: ratio < 1 - eps_low with A < 0 (low) or ratio > 1 + eps_high with "
+        "A > 0 (high); means over steps and minibatches.",
         "- Train/infer KL: k3 estimate of KL(pi_rollout || pi_train) on the same tokens (`mismatch_kl`), between the "
         "rollout engine's log-probs and the trainer's recomputed ones.",
         "- Final reward: mean of the last 5 steps; best reward: best 5-step moving average; held-out: avg@n accuracy "

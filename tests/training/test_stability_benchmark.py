@@ -72,8 +72,12 @@ def test_two_step_benchmark_writes_the_report(tmp_path):
             assert f"| {variant} | {seed} | " in report
             rows = [json.loads(line) for line in (out / variant / f"seed{seed}" / "metrics.jsonl").open()]
             assert [r["step"] for r in rows] == [1, 2]
-            # Per-layer drift for the figures, both MoE layers; replay metrics show the replay was active.
+            # Per-layer drift for the figures, both MoE layers.
             assert {"expert_drift_layer0", "expert_drift_layer1"} <= set(rows[-1])
+            # Step 1's first update runs at lr 0 (warm-up over 4 optimizer steps): no per-step drift, but the
+            # routing after all 4 steps of the rollout batch has moved.
+            assert rows[0]["expert_drift"] == 0.0 and rows[0]["expert_drift_rollout"] > 0.0
+            assert {"expert_drift_rollout_layer0", "expert_drift_rollout_tokens_changed"} <= set(rows[0])
             evals = [
                 json.loads(line)["step"] for line in (out / variant / f"seed{seed}" / "eval.jsonl").open()
             ]
