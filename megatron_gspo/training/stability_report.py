@@ -159,14 +159,14 @@ def summarise_run(run_dir: Path) -> dict:
     }
     out["eval_gain"] = out["eval_after"] - out["eval_before"]
     out.update({name: _mean(rows, key) for name, key in _MEAN_KEYS.items()})
-    full_lr = [r for r in rows if int(r["step"]) >= _first_full_lr_step(run_dir)]
+    full_lr = [r for r in rows if int(r["step"]) >= first_full_lr_step(run_dir)]
     for name in ("expert_drift", "tokens_changed", "drift_rollout", "tokens_changed_rollout"):
         # the drift of a warm-up update measures the warm-up
         out[name] = _mean(full_lr, _MEAN_KEYS[name])
     return out
 
 
-def _first_full_lr_step(run_dir: Path) -> int:
+def first_full_lr_step(run_dir: Path) -> int:
     """First RL step whose first optimizer step runs at the peak learning rate (after linear warm-up), from the
     run's config.yaml: step s starts with optimizer step minibatches * (s - 1)."""
     path = run_dir / "config.yaml"
