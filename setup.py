@@ -35,8 +35,9 @@ setup(
         "lint": ["ruff", "mypy"],
         # GPU clusters: TE for the fused layer spec, sglang-router for load balancing. SGLang itself pins its own
         # torch / transformers and must live in a separate environment (REFERENCE.md §6): install the `rollout`
-        # extra there, never into the trainer's.
-        "gpu": ["transformer-engine[pytorch]", "sglang-router"],
+        # extra there, never into the trainer's. The TE range is megatron-core 0.16.1's own (its `dev` extra:
+        # transformer-engine>=2.9.0a0,<2.12.0).
+        "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang-router"],
         "rollout": ["sglang", "sglang-router"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli.main:main"]},

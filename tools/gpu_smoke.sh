@@ -10,6 +10,11 @@
 #   kernels      pytest -m gpu tests/kernels: the Triton log-prob kernels compiled for the real device
 #   bench        tools/bench_logprob.py --device cuda: fused vs materialised-logits log-probs (prints ratios)
 #   train-1gpu   tiny Qwen3-MoE, 3 GSPO steps, bf16, NCCL, TE layer spec when transformer-engine imports
+#   bf16-load    pytest -m gpu tests/training/test_mixed_precision.py: a checkpoint loaded into a bf16 run (fp32
+#                masters) keeps its weights through an SFT and an RL step at a tiny learning rate; exact resume
+#   train-no-te  1 bf16 RL step with transformer-engine hidden from the trainer (its import fails, as on a GPU
+#                node without TE): local spec on CUDA, megatron's router without te_general_gemm, selective
+#                recompute, aux loss on; the TE import error must be reported
 #   train-2gpu   the same under torchrun on 2 GPUs with tp=2 (sequence parallel) and ep=2   (needs >= 2 GPUs)
 #   sglang-*     SGLang rollouts (needs SGLANG_PYTHON: an environment where `import sglang` works):
 #                sglang-sft (a few SFT steps -> model checkpoint), sglang-hf (convert megatron-to-hf),
@@ -103,7 +108,7 @@ summary() {
     exit "$failed"
 }
 
-GPU_PARTS=(env kernels bench train-1gpu train-2gpu sglang-sft sglang-hf sglang-rl)
+GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu sglang-sft sglang-hf sglang-rl)
 skip_rest() {  # reason, parts...
     local reason="$1" p
     shift
@@ -175,6 +180,13 @@ SMALL=(model.dtype=bf16 trainer.progress=false trainer.save_final=false eval.max
 run_part train-1gpu 150 --rows "$WORK/train-1gpu" 3 \
     "$PYTHON" -m megatron_gspo.cli.main train --config "$TINY" trainer.steps=3 "trainer.run_dir=$WORK/train-1gpu" \
     "${SMALL[@]}"
+run_part bf16-load 180 --expect '[0-9]+ passed' --reject '[0-9]+ skipped' \
+    "$PYTHON" -m pytest -q -rs -m gpu tests/training/test_mixed_precision.py
+# sys.modules[name] = None makes `import transformer_engine` raise ImportError, whether or not TE is installed.
+NO_TE='import runpy, sys; sys.modules["transformer_engine"] = None; runpy.run_module("megatron_gspo.cli.main", run_name="__main__")'
+run_part train-no-te 150 --rows "$WORK/train-no-te" 1 --expect 'transformer-engine does not import' \
+    "$PYTHON" -c "$NO_TE" train --config "$TINY" trainer.steps=1 "trainer.run_dir=$WORK/train-no-te" "${SMALL[@]}" \
+    model.recompute=selective model.overrides.router_aux_loss_coef=0.001
 if ((NGPU >= 2)); then
     run_part train-2gpu 180 --rows "$WORK/train-2gpu" 3 \
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=2 -m megatron_gspo.cli.main train \

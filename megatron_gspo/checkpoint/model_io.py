@@ -12,6 +12,13 @@ other: dist_checkpointing reads just the slices each rank owns. The vocabulary p
 (which depends on TP) is handled by megatron's `allow_shape_mismatch` on those two tensors. Several virtual-pipeline
 chunks are stored as `{"model0": ..., "model1": ...}` like megatron-LM; a single chunk as its plain state dict.
 
+The two layer specs name a few things differently (megatron-core 0.16.1): the local spec stores the MoE layer's
+pre-MLP norm as `mlp.linear_fc1.layer_norm_weight` (its `sharded_state_dict_keys_map` remaps `pre_mlp_layernorm.`
+even for MoE), the TE spec as `pre_mlp_layernorm.weight` (its norm is a separate TENorm there); TE modules also
+carry `_extra_state` objects (FP8 metadata) the local modules lack, e.g. `self_attention.core_attention._extra_state`
+of TEDotProductAttention. Loading takes either name (SPEC_ALIASES) and leaves spec-specific `_extra_state` alone,
+so a checkpoint written on a CPU host (local spec) loads on a GPU (TE spec) and back.
+
 A trainer iteration directory is a model checkpoint plus its own extra files: `load_model_checkpoint` and
 `read_model_config` accept it, and `write_model_checkpoint` writes the model part into a directory the caller
 manages (the trainer's own temporary iteration directory).
@@ -132,6 +139,47 @@ def config_differences(saved: ModelConfig, built: ModelConfig, *, strict: bool =
         for n in names
         if getattr(saved, n) != getattr(built, n)
     ]
+
+
+SPEC_ALIASES = (
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
+)
+"""(local spec, TE spec) endings of the same sharded tensor key (see the module docstring)."""
+EXTRA_STATE = "_extra_state"
+
+
+def _spec_alias(key: str) -> str | None:
+    """The other spec's name of sharded key `key`, or None."""
+    for local, te in SPEC_ALIASES:
+        for mine, other in ((local, te), (te, local)):
+            if key.endswith("." + mine):
+                return key[: -len(mine)] + other
+    return None
+
+
+def _is_extra_state(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] == EXTRA_STATE
+
+
+def _use_stored_names(sharded: dict, stored: set[str]) -> None:
+    """Renames requested sharded tensors that the checkpoint stores under the other spec's name (in place)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for item in nested_values(sharded):
+        key = getattr(item, "key", None)
+        if key is None or key in stored:
+            continue
+        alias = _spec_alias(key)
+        if alias is not None and alias in stored:
+            item.key = alias
+
+
+def _stored_keys(model_dir: Path) -> set[str]:
+    """Sharded keys (tensors and objects) a dist_checkpointing checkpoint holds."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    return {item.key for item in load_sharded_metadata(str(model_dir)).values()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -341,12 +389,17 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
     sharded = model_sharded_state_dict(chunks)
     try:
         with _quiet_dcp():
+            _use_stored_names(sharded, _stored_keys(root / MODEL_DIR))
             loaded, ckpt_only, model_only = dist_checkpointing.load(
                 sharded, str(root / MODEL_DIR), strict=StrictHandling.RETURN_ALL
             )
     except Exception as err:  # noqa: BLE001 - megatron / DCP raise many kinds; name the directory
         raise ValueError(f"model checkpoint {root / MODEL_DIR} is unreadable or corrupt: {err}") from err
     # megatron's naming: "missing" = in the checkpoint but not requested, "unexpected" = requested but not stored.
+    # `_extra_state` present on one side only is the other layer spec's (FP8 metadata): not a mismatch; modules
+    # whose extra state the checkpoint lacks keep their own.
+    ckpt_only = {k for k in ckpt_only if not _is_extra_state(k)}
+    model_only = {k for k in model_only if not _is_extra_state(k)}
     problems = []
     if model_only:
         problems.append(f"{len(model_only)} model tensors absent from the checkpoint: {_few(model_only)}")
@@ -358,7 +411,8 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
         log.warning("model checkpoint %s: %s", root, p)
     parts = [loaded] if len(chunks) == 1 else [loaded[f"model{i}"] for i in range(len(chunks))]
     for chunk, part in zip(chunks, parts):
-        chunk.load_state_dict(part, strict=strict)
+        own_extra = {k: v for k, v in chunk.state_dict().items() if _is_extra_state(k) and k not in part}
+        chunk.load_state_dict({**part, **own_extra}, strict=strict)
         chunk.checkpoint_info = info
     return info
 

@@ -5,6 +5,7 @@ This is the one place where our `ModelConfig` becomes megatron's `TransformerCon
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +15,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
+from megatron_gspo.models import spec
 from megatron_gspo.models.config import ModelConfig
-from megatron_gspo.models.spec import HAVE_TE, qwen3_moe_block_spec
+from megatron_gspo.models.spec import qwen3_moe_block_spec
 from megatron_gspo.parallel.config import ParallelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,7 +34,8 @@ class BuildOptions:
     routing_replay: bool = False
     """Build routers with megatron's RouterReplay enabled (R2 / R3)."""
     use_te: bool | None = None
-    """Transformer-engine layer spec; None = when TE imports and CUDA is present."""
+    """Transformer-engine layer spec; None = when CUDA is present and TE imports (a warning names the import
+    error when CUDA is present but TE does not import)."""
     init_std: float = 0.02
     """Std of the random initialisation (weights are usually loaded from a checkpoint)."""
 
@@ -84,15 +89,29 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
         parallel.data_parallel_size(world_size)
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, options: BuildOptions) -> TransformerConfig:
-    """megatron TransformerConfig for Qwen3-MoE (REFERENCE.md §3)."""
+def selective_recompute_modules(grouped_gemm: bool) -> list[str]:
+    """megatron `recompute_modules` of `model.recompute=selective` for a layer spec.
+
+    Core attention always; the MoE expert activation ("moe_act") only with grouped-GEMM experts (the TE spec):
+    megatron's TransformerConfig rejects "moe_act" without `moe_grouped_gemm`. The local spec's SequentialMLP
+    experts keep their activations ("moe" would recompute the whole MoE layer, token dispatch included: a
+    different trade-off than "selective" stands for).
+    """
+    return ["core_attn", "moe_act"] if grouped_gemm else ["core_attn"]
+
+
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, options: BuildOptions, use_te: bool | None = None
+) -> TransformerConfig:
+    """megatron TransformerConfig for Qwen3-MoE (REFERENCE.md §3); `use_te` as resolved by `resolve_use_te`."""
     on_cpu = not torch.cuda.is_available()
-    use_te = _use_te(options)
+    if use_te is None:
+        use_te = resolve_use_te(options)
     recompute = {}
     if options.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif options.recompute == "selective":
-        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
+        recompute = dict(recompute_granularity="selective", recompute_modules=selective_recompute_modules(use_te))
     aux = model.router_aux_loss_coef
     return TransformerConfig(
         num_layers=model.num_hidden_layers,
@@ -110,6 +129,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, options: Bu
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
+        # Losses are normalised by the global number of units (training/engine.py). Set here, before the build:
+        # each TopKRouter copies it at construction, and DDP reads it for its gradient scaling.
+        calculate_per_token_loss=True,
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
         moe_grouped_gemm=use_te,
         moe_permute_fusion=False,
@@ -150,11 +172,29 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, options: Bu
     )
 
 
-def _use_te(options: BuildOptions) -> bool:
+def resolve_use_te(options: BuildOptions) -> bool:
+    """Whether to build the transformer-engine layer spec (fused kernels, grouped-GEMM experts).
+
+    `use_te=None` means: on a CUDA machine, when TE imports. A CUDA machine whose TE import fails (not installed,
+    or installed but broken, e.g. built for another torch / CUDA) gets the local spec, with a warning that names
+    the import error: set model.use_te=false to choose the local spec without it.
+    """
     if options.use_te is None:
-        return HAVE_TE and torch.cuda.is_available()
-    if options.use_te and not HAVE_TE:
-        raise ValueError("model.use_te=true but transformer-engine is not importable; install the 'gpu' extra")
+        if not torch.cuda.is_available():
+            return False
+        if not spec.HAVE_TE:
+            log.warning(
+                "CUDA is available but transformer-engine does not import (%s): building the local layer spec "
+                "(no fused kernels, no grouped-GEMM experts). Install a working transformer-engine "
+                "(pip install 'megatron-gspo[gpu]') or set model.use_te=false to choose the local spec",
+                spec.TE_IMPORT_ERROR,
+            )
+        return spec.HAVE_TE
+    if options.use_te and not spec.HAVE_TE:
+        raise ValueError(
+            f"model.use_te=true but transformer-engine does not import ({spec.TE_IMPORT_ERROR}); "
+            "install the 'gpu' extra (pip install 'megatron-gspo[gpu]') or set model.use_te=false"
+        )
     return options.use_te
 
 
@@ -167,8 +207,8 @@ def build_model(
     """
     options = options or BuildOptions()
     validate_layout(model, parallel, torch.distributed.get_world_size())
-    config = transformer_config(model, parallel, options)
-    use_te = _use_te(options)
+    use_te = resolve_use_te(options)
+    config = transformer_config(model, parallel, options, use_te)
     vpp = parallel.virtual_pp
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []

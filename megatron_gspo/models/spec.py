@@ -9,15 +9,19 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_gspo.models.norm import RMSNorm
+from megatron_gspo.models.router import MicroBatchMeanAuxRouter
 
+TE_IMPORT_ERROR: str | None = None
+"""Why transformer-engine did not import ('ModuleNotFoundError: ...' when it is not installed); None when it did."""
 try:  # transformer-engine is a GPU-only extra
     import transformer_engine  # noqa: F401
     from megatron.core.extensions.transformer_engine import TENorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     HAVE_TE = True
-except Exception:  # noqa: BLE001 - any import failure means "no TE"
+except Exception as _err:  # noqa: BLE001 - any import failure means "no TE"; build.py reports it on a GPU
     HAVE_TE = False
+    TE_IMPORT_ERROR = f"{type(_err).__name__}: {_err}"
 
 
 def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:
@@ -28,6 +32,13 @@ def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:
     new_attn = ModuleSpec(module=attn.module, params=attn.params, submodules=attn_sub)
     new_sub = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=new_attn)
     return ModuleSpec(module=layer_spec.module, params=layer_spec.params, submodules=new_sub)
+
+
+def _with_router(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Puts our router (load-balancing loss weighted per micro-batch, models/router.py) into the MoE layer."""
+    sub = layer_spec.submodules
+    mlp = dataclasses.replace(sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, router=MicroBatchMeanAuxRouter))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, mlp=mlp))
 
 
 def qwen3_moe_block_spec(num_experts: int, num_local_layers: int, use_te: bool) -> TransformerBlockSubmodules:
@@ -44,4 +55,5 @@ def qwen3_moe_block_spec(num_experts: int, num_local_layers: int, use_te: bool) 
             )
         )
         final_norm = RMSNorm
+    layer = _with_router(layer)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=final_norm)

@@ -18,7 +18,7 @@ class ParallelConfig:
     etp: int | None = None
     """Expert tensor-parallel size; None means 1 when ep > 1, else tp (megatron's convention)."""
     cp: int = 1
-    """Context-parallel size (sequence split for attention)."""
+    """Context-parallel size. Only 1: context parallelism is not implemented (see `__post_init__`)."""
     sequence_parallel: bool = False
     """Split activations along the sequence between TP ranks (required with tp > 1 for MoE training)."""
     virtual_pp: int | None = None
@@ -29,6 +29,14 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{name}={value!r} must be an integer >= 1")
+        if self.cp > 1:
+            # megatron would accept it, but nothing here splits each sequence into its CP chunks (RoPE positions via
+            # get_pos_emb_on_this_cp_rank), runs a CP-capable attention, or all-reduces per-sequence log-prob sums
+            # over the CP group: RoPE, attention and the GSPO ratios would be silently wrong.
+            raise ValueError(
+                f"parallel.cp={self.cp} is not supported: context parallelism is not implemented; set parallel.cp=1 "
+                "(split long sequences with parallel.tp + sequence_parallel instead)"
+            )
         if self.etp is None:
             self.etp = 1 if self.ep > 1 else self.tp
         if not isinstance(self.etp, int) or self.etp < 1:

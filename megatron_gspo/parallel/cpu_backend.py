@@ -4,7 +4,9 @@ megatron-core assumes CUDA throughout: it allocates small bookkeeping tensors wi
 model-parallel RNG streams in CUDA generators, overlaps communication on CUDA streams and asserts CUDA tensor
 types in a few optimizer paths. None of that is essential to the math, so on a machine without CUDA we redirect
 it to the CPU. Every patch below says why it exists; all of them are applied by one explicit call, `apply()`,
-only when CUDA is absent, and only for the megatron-core versions they were written and tested against.
+only when CUDA is absent, and only for the megatron-core versions they were written and tested against. One
+megatron bug is not about the CPU but about transformer-engine being absent (a GPU without TE hits it too): its
+fix, `apply_without_te()`, is applied on every machine by `parallel.initialize`, under the same version check.
 
 Mechanism: megatron-core's own modules get a module-scoped stand-in for `torch` (`_CpuTorch`) whose tensor
 factories and `torch.cuda` namespace map CUDA onto the CPU. Code outside megatron-core (ours, torch itself,
@@ -308,17 +310,67 @@ def _cpu_rng_tracker_fork(self, name="model-parallel-rng"):
         torch.set_rng_state(orig)
 
 
-def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """clip_grads.clip_grad_by_total_norm_fp32 without the CUDA tensor-type assertion and multi-tensor kernel."""
+def _cuda_type_name(real_type, *args, **kwargs):
+    """`Tensor.type()` as megatron-core expects it of a device tensor: 'torch.BFloat16Tensor' reads
+    'torch.cuda.BFloat16Tensor'. With arguments it is the real conversion (`t.type(torch.float)`)."""
+    if args or kwargs:
+        return real_type(*args, **kwargs)
+    name = real_type()
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def _cuda_type_names(tensors):
+    """Within the block, `t.type()` of these CPU tensors names the CUDA tensor type of the same dtype.
+
+    megatron-core sorts optimizer parameters by `param.type()` string ('torch.cuda.BFloat16Tensor' gets an fp32
+    main copy, 'torch.cuda.FloatTensor' is used as is, anything else is a TypeError) and asserts fp32 gradients the
+    same way. A method call on the tensor cannot be redirected by the module-scoped `torch` stand-in, so the answer
+    is shadowed on these tensor objects only (an instance attribute; the class, other tensors and torch itself are
+    untouched) and removed on exit. The dtype in the name is the real one, so the sorting is megatron's own.
+    """
+    shadowed = []
+    try:
+        for t in tensors:
+            if t is None or t.is_cuda or "type" in vars(t):
+                continue
+            t.type = functools.partial(_cuda_type_name, t.type)
+            shadowed.append(t)
+        yield
+    finally:
+        for t in shadowed:
+            del t.type
+
+
+def _optimizer_params(optimizer) -> list:
+    return [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]] if optimizer else []
+
+
+def _with_cuda_type_names(fn, tensors_of):
+    """`fn` with `_cuda_type_names(tensors_of(*args, **kwargs))` around each call (megatron's code runs unchanged)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names(tensors_of(*args, **kwargs)):
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped_for_cpu__ = fn
+    return wrapper
+
+
+def _float16_optimizer_tensors(self, optimizer, *args, **kwargs) -> list:
+    """Float16OptimizerWithFloat16Params.__init__(self, optimizer, config, grad_scaler, init_state_fn)."""
+    return _optimizer_params(optimizer)
+
+
+def _clip_tensors(parameters, *args, **kwargs) -> list:
+    """clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False): the fp32 main
+    gradients it asserts to be 'torch.cuda.FloatTensor'."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff >= 1.0:
-        return
-    for param in parameters:
-        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
-        if grad is not None:
-            grad.detach().mul_(clip_coeff)
+    if not isinstance(parameters, (list, tuple)):
+        return []  # a one-pass iterable is megatron's to consume (its callers pass lists)
+    return [p.grad for p in parameters]
 
 
 def _version() -> str:
@@ -355,7 +407,6 @@ def apply(force: bool = False) -> bool:
 
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
 
     # The model-parallel RNG tracker keeps per-stream states of CUDA generators; use CPU generator states.
     tp_random.CudaRNGStatesTracker.add = _cpu_rng_tracker_add
@@ -363,17 +414,43 @@ def apply(force: bool = False) -> bool:
     tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
-    # 0.16.x bug: the router's gating GEMM references `te_general_gemm` even when transformer-engine's import
-    # failed, raising NameError; None selects its plain torch path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    apply_without_te()  # the CPU never has transformer-engine
 
-    # Gradient clipping asserts `grad.type() == 'torch.cuda.FloatTensor'` and calls a CUDA multi-tensor kernel.
-    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    # bf16 / fp16 mixed precision (Float16OptimizerWithFloat16Params: fp32 main params and grads): its constructor
+    # sorts parameters by their CUDA tensor-type name and raises TypeError for CPU ones; gradient clipping asserts
+    # `grad.type() == 'torch.cuda.FloatTensor'`. Both run unchanged with those names answered for the tensors they
+    # inspect (their CUDA factories and multi-tensor helpers already land on the CPU through the stand-in `torch`;
+    # without apex / TE megatron uses its own torch implementations of multi_tensor_applier / scale / l2norm).
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__, _float16_optimizer_tensors
+    )
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32, _clip_tensors)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip
 
     _applied = True
     log.info("megatron-core %s patched for CPU + gloo", version)
+    return True
+
+
+def apply_without_te() -> bool:
+    """Works around a megatron-core 0.16.x bug that hits every machine without transformer-engine, CUDA or not.
+
+    `moe_utils` imports `te_general_gemm` inside its `try: import transformer_engine` block, so a failed import
+    leaves the name undefined, while `RouterGatingLinearFunction` (every MoE router's gating GEMM, forward and
+    backward) tests `te_general_gemm is not None` and raises NameError. Defining it as None selects megatron's own
+    torch.mm path, which is what it means to do without TE. Called by `parallel.initialize` on every machine;
+    a no-op (False) when TE imported (the name exists) or for megatron-core versions it was not checked against.
+    Not a CPU patch, but a megatron patch all the same, so it lives here.
+    """
+    if _version() not in TESTED_VERSIONS:
+        return False
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    log.info("megatron-core %s without transformer-engine: router gating uses torch.mm", _version())
     return True
 
 

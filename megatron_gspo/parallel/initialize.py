@@ -79,9 +79,11 @@ def seed_everything(seed: int) -> None:
 def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistributedEnv:
     """Starts torch.distributed, megatron's parallel groups for `parallel`, and seeds every RNG.
 
-    On a machine without CUDA this first applies the CPU backend (`cpu_backend.apply()`).
+    On a machine without CUDA this first applies the CPU backend (`cpu_backend.apply()`); on any machine without
+    transformer-engine, megatron's router fix-up (`cpu_backend.apply_without_te()`).
     """
     cpu_backend.apply()
+    cpu_backend.apply_without_te()
     from megatron.core import parallel_state
 
     env = start_process_group()

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprob", choices=LOGPROB_CHOICES, default="fused", help="log-prob path counted in the total (default fused)"
     )
     p.add_argument("--overhead-gb", type=float, default=4.0, help="fixed per-GPU overhead in GiB (default 4)")
-    for name in ("tp", "pp", "ep", "etp", "cp"):
+    # No --cp: context parallelism is not implemented (ParallelConfig rejects parallel.cp > 1).
+    for name in ("tp", "pp", "ep", "etp"):
         p.add_argument(f"--{name}", type=int, help=f"check this layout: parallel.{name}")
     p.add_argument("--vpp", type=int, help="check this layout: parallel.virtual_pp")
     p.add_argument("--top", type=int, default=5, help="layouts to suggest (default 5)")
@@ -177,7 +178,7 @@ def _model(args: argparse.Namespace, cfg: ConfigInputs) -> tuple[str, ModelConfi
 def _parallel(args: argparse.Namespace, cfg: ConfigInputs) -> ParallelConfig | None:
     """The layout to check: config `parallel` overlaid by flags; None when neither names one."""
     values = dict(cfg.parallel)
-    for key, flag in (("tp", "tp"), ("pp", "pp"), ("ep", "ep"), ("etp", "etp"), ("cp", "cp"), ("virtual_pp", "vpp")):
+    for key, flag in (("tp", "tp"), ("pp", "pp"), ("ep", "ep"), ("etp", "etp"), ("virtual_pp", "vpp")):
         if getattr(args, flag) is not None:
             values[key] = getattr(args, flag)
     if not values:
@@ -280,7 +281,6 @@ def plan_main(argv: list[str], out: TextIO | None = None, err: TextIO | None = N
             workload,
             assumptions,
             top=args.top,
-            cp=parallel.cp if parallel is not None else 1,
             check_global_batch=global_explicit,
         )
     except LayoutError as exc:

@@ -134,6 +134,13 @@ def token_logprobs_from_logits(
     return out._replace(token_logprobs=out.token_logprobs.reshape(b, s))
 
 
+def policy_units(loss_fn):
+    """`units_of(micro_batch)` of a policy loss: its loss tokens (GRPO token-mean) or its sequences (all others)."""
+    if getattr(loss_fn, "aggregation", None) == "token-mean":
+        return lambda mb: int(mb.loss_mask_NS.sum())
+    return lambda mb: mb.num_sequences
+
+
 def policy_forward_step(loss_fn, vocab_size: int, temperature: float, seq_len: int, before_forward=None):
     """The forward step megatron's schedule calls per micro-batch during a policy update.
 
@@ -144,7 +151,7 @@ def policy_forward_step(loss_fn, vocab_size: int, temperature: float, seq_len: i
     each micro-batch's model forward (routing replay selects that micro-batch's routes there).
     """
     positions = torch.arange(seq_len).unsqueeze(0)
-    token_mean = getattr(loss_fn, "aggregation", None) == "token-mean"
+    units_of = policy_units(loss_fn)
 
     def forward_step(mb: RolloutBatch, model):
         ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
@@ -164,8 +171,7 @@ def policy_forward_step(loss_fn, vocab_size: int, temperature: float, seq_len: i
                 res = loss_fn(
                     lp.token_logprobs, mb.old_logprobs_NS, adv, mb.loss_mask_NS, num_sequences=1, num_tokens=1
                 )
-            units = mb.loss_mask_NS.sum() if token_mean else torch.tensor(mb.num_sequences)
-            return res.loss, units.to(torch.int), {k: v.detach() for k, v in res.metrics.items()}
+            return res.loss, torch.tensor(units_of(mb), dtype=torch.int), {k: v.detach() for k, v in res.metrics.items()}
 
         return out, reduce
 

@@ -108,8 +108,6 @@ class CheckpointManager:
 
     def load(self, path: Path, rt) -> dict:
         """Restores model, optimizer, schedule and RNG states; returns the trainer state."""
-        from megatron_gspo.checkpoint.model_io import load_model_checkpoint
-
         state = json.loads((path / "trainer_state.json").read_text())
         if state.get("world_size") != dist.get_world_size():
             raise RuntimeError(
@@ -117,7 +115,9 @@ class CheckpointManager:
                 "optimizer state resumes only in the same layout (load the model alone with model.load=...)"
             )
         rank = dist.get_rank()
-        load_model_checkpoint(rt.models, path)
+        # Model first (master weights follow it), then the optimizer state, which restores the exact fp32 master
+        # weights of a bf16 run (Float16OptimizerWithFloat16Params.load_state_dict copies its saved main params).
+        rt.load_weights(path)
         opt = torch.load(path / "optimizer" / f"rank_{rank:05d}.pt", weights_only=False)
         rt.optimizer.load_state_dict(opt["optimizer"])
         rt.scheduler.load_state_dict(opt["scheduler"])

@@ -39,7 +39,10 @@ class ModelSection:
     dtype: str = "fp32"
     """fp32 | bf16 | fp16 parameters and compute."""
     recompute: str = "none"
-    """Activation recompute: none | selective | full."""
+    """Activation recompute: none | selective (core attention, + expert activations with the TE spec) | full."""
+    use_te: bool | None = None
+    """Transformer-engine layer spec: null = on a CUDA machine when TE imports (a warning names the import error
+    when it does not); false = the local spec (e.g. a GPU without TE); true = TE or an error."""
 
     def __post_init__(self) -> None:
         if self.hf_config is None and self.preset not in PRESETS:

@@ -4,8 +4,13 @@ forward/backward pass over micro-batches through `get_forward_backward_func` (pi
 Loss normalisation: `calculate_per_token_loss=True` makes the schedule sum the per-micro-batch losses and the
 "token" counts that the loss function returns, all-reduce the counts over data-parallel ranks, and scale the
 gradients by 1 / total. Our loss functions return (sum of per-unit losses, number of units) where the unit is
-what the objective averages over (sequences for GSPO, tokens for token-mean GRPO), so the gradient is exactly
-that of the full-batch mean, whatever the micro-batch and data-parallel split.
+what the objective averages over (sequences for GSPO, tokens for token-mean GRPO and SFT), so the gradient is
+exactly that of the full-batch mean, whatever the micro-batch and data-parallel split.
+
+The MoE load-balancing loss is defined per micro-batch; its gradient is the mean over the micro-batches of all
+data-parallel ranks (megatron's semantics, models/router.py). For that the routers need U / (M * DP) before the
+first backward, so a training pass with the aux loss on is told how to count units (`units_of`), and the count is
+checked against what the loss functions returned.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_gspo.models.build import BuildOptions, build_model
 from megatron_gspo.models.config import ModelConfig
+from megatron_gspo.models.router import set_aux_loss_weight
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.training.optim_config import OptimConfig
 
@@ -37,7 +43,7 @@ def build_ddp_model(
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
-        chunk.config.calculate_per_token_loss = True
+        assert chunk.config.calculate_per_token_loss, "models/build.py sets calculate_per_token_loss"
         ddp = DistributedDataParallel(
             config=chunk.config,
             ddp_config=ddp_config,
@@ -89,14 +95,19 @@ def forward_backward(
     seq_length: int,
     micro_batch_size: int,
     forward_only: bool = False,
+    units_of: Callable | None = None,
 ) -> list:
     """Runs `forward_step(batch, model) -> (output, loss_func)` over `micro_batches` with megatron's schedule.
 
     Returns the loss functions' reduced outputs (last pipeline stage; empty list elsewhere). Every micro-batch
     must have `seq_length` tokens per row on the CPU path (the allgather dispatcher needs fixed p2p shapes).
+    `units_of(micro_batch)` is the number of loss units that micro-batch's loss function returns; a training pass
+    needs it when the model has the load-balancing loss on (`router_aux_loss_coef > 0`), and when given, the
+    global count megatron divides the gradients by is checked against it.
     """
     fb = get_forward_backward_func()
     n_chunks = len(chunks)
+    config = unwrap(chunks[0]).config
 
     def step(data_iterator, model):
         batch = next(data_iterator)
@@ -106,6 +117,7 @@ def forward_backward(
         iterators = [iter(list(micro_batches)) for _ in range(n_chunks)]
     else:
         iterators = iter(list(micro_batches))
+    finalize = config.finalize_model_grads_func
     if not forward_only:
         for m in chunks:
             m.zero_grad_buffer()
@@ -113,15 +125,56 @@ def forward_backward(
             # accumulate into that buffer directly and the DDP hook would add the gradient a second time.
             for p in m.parameters():
                 p.grad = None
-    return fb(
-        forward_step_func=step,
-        data_iterator=iterators,
-        model=chunks if n_chunks > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+        if units_of is not None:
+            units = _global_units(chunks, micro_batches, units_of)
+            dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+            set_aux_loss_weight(chunks, units / (len(micro_batches) * dp))
+            config.finalize_model_grads_func = _checked_finalize(finalize, units)
+        elif (config.moe_aux_loss_coeff or 0) > 0:
+            raise ValueError(
+                "forward_backward: the model has a load-balancing loss (router_aux_loss_coef > 0); pass units_of= "
+                "(the loss units of a micro-batch) so its gradient can be the mean over micro-batches"
+            )
+    try:
+        return fb(
+            forward_step_func=step,
+            data_iterator=iterators,
+            model=chunks if n_chunks > 1 else chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        config.finalize_model_grads_func = finalize
+        if not forward_only:
+            set_aux_loss_weight(chunks, None)
+
+
+def _global_units(chunks: list, micro_batches: Sequence, units_of: Callable) -> int:
+    """Loss units of `micro_batches` summed over this rank and every data-parallel rank (one scalar all-reduce)."""
+    device = next(unwrap(chunks[0]).parameters()).device
+    local = torch.tensor(sum(int(units_of(mb)) for mb in micro_batches), dtype=torch.int64, device=device)
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        torch.distributed.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return int(local.item())
+
+
+def _checked_finalize(finalize: Callable, expected_units: int) -> Callable:
+    """megatron's finalize_model_grads, then a check that the unit count it divided by is the one the routers'
+    load-balancing weight was computed from (a loss function and its `units_of` disagreeing would silently
+    mis-scale the aux gradient)."""
+
+    def checked(model, num_tokens=None, **kwargs):
+        out = finalize(model, num_tokens, **kwargs)
+        if num_tokens is not None and int(num_tokens.item()) != expected_units:
+            raise RuntimeError(
+                f"the loss functions returned {int(num_tokens.item())} loss units in total but units_of counted "
+                f"{expected_units}: they must count the same units"
+            )
+        return out
+
+    return checked
 
 
 def is_last_stage() -> bool:

@@ -52,7 +52,9 @@ class Runtime:
         self.chunks = build_ddp_model(
             self.model_config,
             cfg.parallel,
-            BuildOptions(dtype=self.dtype, recompute=cfg.model.recompute, routing_replay=routing_replay),
+            BuildOptions(
+                dtype=self.dtype, recompute=cfg.model.recompute, routing_replay=routing_replay, use_te=cfg.model.use_te
+            ),
         )
         self.models = [unwrap(c) for c in self.chunks]
         self.optimizer = build_optimizer(self.chunks, optim, self.dtype)
@@ -70,9 +72,9 @@ class Runtime:
             wd_incr_style="constant",
         )
         self.max_prompt_len = self._max_prompt_len()
-        # Sequence parallelism splits the sequence over TP ranks (context parallelism in 2*cp chunks): pad the
-        # fixed training length up to a multiple of that split; the extra columns are padding, never in the loss.
-        split = (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1) * (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1)
+        # Sequence parallelism splits the sequence over TP ranks: pad the fixed training length up to a multiple of
+        # that split; the extra columns are padding, never in the loss. (parallel.cp is always 1: ParallelConfig.)
+        split = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
         self.seq_len = -(-(self.max_prompt_len + cfg.rollout.max_new_tokens) // split) * split
         if self.seq_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -141,10 +143,24 @@ class Runtime:
         dist.all_gather_object(out, obj)
         return out
 
-    def load_model(self, path: str) -> None:
+    def load_weights(self, path) -> dict:
+        """Loads a model checkpoint into the chunks and makes the optimizer's master weights follow it.
+
+        In bf16 / fp16 megatron's `Float16OptimizerWithFloat16Params` clones fp32 main params of the model as it is
+        when the optimizer is built (the random init) and copies them back into the model after every `step()`:
+        without `reload_model_params()` the first step would write random init + update over the loaded weights
+        (Megatron-LM calls it after every model-only load). With fp32 (`FP32Optimizer`) it is a no-op. Every load
+        into a Runtime's model goes through here. Returns the checkpoint's megatron_gspo.json.
+        """
         from megatron_gspo.checkpoint.model_io import load_model_checkpoint
 
-        load_model_checkpoint(self.models, path)
+        info = load_model_checkpoint(self.models, path)
+        self.optimizer.reload_model_params()
+        return info
+
+    def load_model(self, path: str) -> None:
+        """`model.load`: the weights (and master weights) from `path`, then the rollout engine synced to them."""
+        self.load_weights(path)
         self.engine.update_weights(self.models, 0)
 
     def close(self) -> None:

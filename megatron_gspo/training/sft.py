@@ -80,7 +80,8 @@ def sft_loop(rt: Runtime) -> dict:
 
             return out, reduce
 
-        forward_backward(rt.chunks, micro, fwd, seq_length=rt.seq_len, micro_batch_size=mbs)
+        forward_backward(rt.chunks, micro, fwd, seq_length=rt.seq_len, micro_batch_size=mbs,
+                         units_of=lambda mb: int(mb[1].sum()))
         ok, grad_norm, _ = rt.optimizer.step()
         if ok:
             rt.scheduler.step(increment=1)

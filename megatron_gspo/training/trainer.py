@@ -23,7 +23,13 @@ from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rewards.registry import RewardScorer
-from megatron_gspo.training.batch import RolloutBatch, pack_rollouts, policy_forward_step, token_logprobs_from_logits
+from megatron_gspo.training.batch import (
+    RolloutBatch,
+    pack_rollouts,
+    policy_forward_step,
+    policy_units,
+    token_logprobs_from_logits,
+)
 from megatron_gspo.training.checkpoint import CheckpointManager
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
@@ -224,7 +230,8 @@ class GSPOTrainer:
 
             fwd = policy_forward_step(loss_fn, vocab, temp, self.rt.seq_len, self.routing.before_forward)
             with self.routing.training_pass():
-                parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs)
+                parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs,
+                                         units_of=policy_units(loss_fn))
             loss_metrics = combine_metrics(parts) if parts else {}
             if k == 0 and self.cfg.rollout.old_logprobs == "engine":
                 # Before the first optimizer step pi_theta is the training engine's pi_old, so the first

@@ -13,7 +13,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
-    "install", "env", "kernels", "bench", "train-1gpu", "train-2gpu", "sglang-sft", "sglang-hf", "sglang-rl"
+    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "train-no-te", "train-2gpu", "sglang-sft",
+    "sglang-hf", "sglang-rl",
 )
 
 # A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with
@@ -31,11 +32,14 @@ elif args[:2] == ["-m", "pytest"]:
     print("2 passed in 3.0s")
 elif args and args[0].endswith("bench_logprob.py"):
     print("| fused | failed: RuntimeError: boom |" if fail == "bench" else "| fused | 0.1 | 0.2 |")
-elif "megatron_gspo.cli.main" in args:
-    cmd = args[args.index("megatron_gspo.cli.main") + 1]
-    if cmd == fail:
+elif "megatron_gspo.cli.main" in args or (args[:1] == ["-c"] and "megatron_gspo.cli.main" in args[1]):
+    cli = args[2:] if args[0] == "-c" else args[args.index("megatron_gspo.cli.main") + 1:]
+    cmd = cli[0]
+    if cmd == fail or (args[0] == "-c" and fail == "no-te"):
         sys.exit(3)
-    opts = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    if args[0] == "-c" and "transformer_engine" in args[1]:
+        print("WARNING CUDA is available but transformer-engine does not import (ImportError: halted)")
+    opts = dict(a.split("=", 1) for a in cli if "=" in a and not a.startswith("-"))
     if cmd == "train":
         run = opts["trainer.run_dir"]
         os.makedirs(run, exist_ok=True)
@@ -117,6 +121,13 @@ def test_one_gpu_all_parts(smoke, tmp_path):
     launched = next(line for line in proc.stdout.splitlines() if line.startswith("== sglang-rl"))
     assert "sglang.weight_sync=disk" in launched and "rollout.engine=sglang" in launched
     assert "trainer.steps=2" in launched and f"sglang.python={sglang}" in launched
+    # bf16 masters on CUDA (the gpu-marked test) and the no-TE path: TE hidden, local spec, selective recompute.
+    assert next(line for line in proc.stdout.splitlines() if line.startswith("== bf16-load")).endswith(
+        "-m pytest -q -rs -m gpu tests/training/test_mixed_precision.py"
+    )
+    no_te = next(line for line in proc.stdout.splitlines() if line.startswith("== train-no-te"))
+    assert 'sys.modules["transformer_engine"] = None' in no_te and "model.dtype=bf16" in no_te
+    assert "model.recompute=selective" in no_te and "model.overrides.router_aux_loss_coef=0.001" in no_te
 
 
 def test_failures_and_missing_sglang(smoke, tmp_path):
@@ -141,3 +152,13 @@ def test_budget_spent_skips(smoke, tmp_path):
     table = _table(proc.stdout)
     assert table["env"] == "PASS" and table["kernels"] == "SKIP" and table["train-1gpu"] == "SKIP"
     assert "time budget spent" in proc.stdout
+
+
+def test_no_te_part_fails_when_the_run_fails(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="no-te",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 1
+    table = _table(proc.stdout)
+    assert table["train-no-te"] == "FAIL" and table["train-1gpu"] == "PASS" and table["bf16-load"] == "PASS"

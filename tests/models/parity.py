@@ -38,10 +38,13 @@ def batch(cfg, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g)
 
 
-def run_layout(layout: dict, model_overrides: dict | None = None, recompute: str = "none") -> dict:
+def run_layout(
+    layout: dict, model_overrides: dict | None = None, recompute: str = "none", dtype: str = "fp32"
+) -> dict:
     """Loads HF weights into `layout`, runs one forward/backward over MICRO micro-batches and one optimizer step.
 
-    Returns full (gathered) logits and HF-named gradients / weights so layouts compare directly.
+    Returns full (gathered) logits and HF-named gradients / weights so layouts compare directly. `dtype="bf16"`:
+    bf16 params with megatron's mixed-precision optimizer (fp32 main params and main grads), as on the cluster.
     """
     from megatron.core import parallel_state as ps
 
@@ -58,12 +61,14 @@ def run_layout(layout: dict, model_overrides: dict | None = None, recompute: str
 
     cfg = tiny_config(**(model_overrides or {}))
     parallel = ParallelConfig(**layout)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     env = initialize(parallel, seed=7)
     try:
-        chunks = build_ddp_model(cfg, parallel, BuildOptions(recompute=recompute))
+        chunks = build_ddp_model(cfg, parallel, BuildOptions(dtype=torch_dtype, recompute=recompute))
+        opt = build_optimizer(chunks, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), torch_dtype)
         load_hf_state_dict([unwrap(c) for c in chunks], hf_state_dict(cfg))
+        opt.reload_model_params()  # loaded after the optimizer was built: the fp32 masters follow (bf16)
         exported_before = export_hf_state_dict([unwrap(c) for c in chunks])
-        opt = build_optimizer(chunks, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0))
         data = batch(cfg)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         rows = data.chunk(dp)[dp_rank]
@@ -80,9 +85,15 @@ def run_layout(layout: dict, model_overrides: dict | None = None, recompute: str
             return out, loss_func
 
         # Two optimizer steps: the second forward/backward runs on updated weights (catches stale-gradient bugs).
-        first = forward_backward(chunks, micro, forward_step, seq_length=SEQ, micro_batch_size=micro[0].shape[0])
+        # The loss counts tokens (every label); the load-balancing loss, when on, is weighted per micro-batch.
+        def units_of(mb):
+            return mb[:, 1:].numel()
+
+        first = forward_backward(chunks, micro, forward_step, seq_length=SEQ, micro_batch_size=micro[0].shape[0],
+                                 units_of=units_of)
         opt.step()
-        reduced = forward_backward(chunks, micro, forward_step, seq_length=SEQ, micro_batch_size=micro[0].shape[0])
+        reduced = forward_backward(chunks, micro, forward_step, seq_length=SEQ, micro_batch_size=micro[0].shape[0],
+                                   units_of=units_of)
         loss_sum = torch.tensor(sum(float(r["loss_sum"]) for r in first), dtype=torch.float64)
         torch.distributed.all_reduce(loss_sum)  # every rank then knows sum over all tokens (PP non-last add 0)
         loss_sum /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()

@@ -16,6 +16,8 @@ def test_defaults_and_dp_size():
         (dict(tp=0), r"parallel\.tp=0"),
         (dict(sequence_parallel=True), r"sequence_parallel=true needs parallel\.tp > 1"),
         (dict(virtual_pp=2), r"virtual_pp=2 needs parallel\.pp > 1"),
+        # Context parallelism is not implemented (no per-CP-rank sequence split, no CP sum of log-probs).
+        (dict(cp=2), r"^parallel\.cp=2 is not supported: context parallelism is not implemented; set parallel\.cp=1"),
     ],
 )
 def test_bad_values_name_the_key(kwargs, message):

@@ -12,6 +12,7 @@ def test_refuses_untested_megatron_version(monkeypatch):
     monkeypatch.setattr(cpu_backend, "_applied", False)
     with pytest.raises(RuntimeError, match=r"supports megatron-core .*found 0\.12\.0"):
         cpu_backend.apply(force=True)
+    assert cpu_backend.apply_without_te() is False  # the no-TE router fix is not applied blind either
 
 
 def test_noop_when_cuda_is_present(monkeypatch):
@@ -65,3 +66,76 @@ def test_patched_megatron_runs_on_cpu():
     assert out["plain_cuda_raises"]
     assert out["default_untouched"] and out["fork_reproducible"] and out["fork_distinct"]
     torch.testing.assert_close(out["clipped"], torch.full((4,), 2.0 * 1.0 / (4.0 + 1e-6)))
+
+
+def _float16_optimizer_on_cpu():
+    """megatron's Float16OptimizerWithFloat16Params with CPU params: bf16 params get fp32 main copies, fp32 params
+    are used as they are, one SGD step goes through the masters; the CUDA type names are gone afterwards."""
+    from megatron_gspo.parallel import cpu_backend as cb
+
+    assert cb.apply() is True
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    w16 = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+    w32 = torch.nn.Parameter(torch.tensor([3.0]))
+    config = OptimizerConfig(optimizer="sgd", lr=0.25, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0)
+    opt = Float16OptimizerWithFloat16Params(torch.optim.SGD([w16, w32], lr=0.25), config, None, None)
+    out = dict(
+        sorted=(opt.float16_groups[0] == [w16], opt.fp32_from_fp32_groups[0] == [w32]),
+        main_dtype=w16.main_param.dtype,
+        types=(w16.type(), w32.type(), "type" in vars(w16) or "type" in vars(w32)),
+    )
+    w16.main_grad = torch.tensor([0.5, 1.0])
+    w32.main_grad = torch.tensor([2.0])
+    w16.main_param.data.add_(1e-3)  # an fp32-only change: the step starts from the master, not the bf16 copy
+    ok, _, _ = opt.step()
+    out.update(ok=ok, w16=w16.detach().clone(), main=w16.main_param.detach().clone(), w32=w32.detach().clone())
+    return out
+
+
+def test_float16_optimizer_keeps_fp32_masters_on_cpu():
+    out = run_distributed(_float16_optimizer_on_cpu, world_size=1)[0]
+    assert out["sorted"] == (True, True) and out["main_dtype"] == torch.float32
+    assert out["types"] == ("torch.BFloat16Tensor", "torch.FloatTensor", False)
+    assert out["ok"]
+    expected_main = torch.tensor([1.001 - 0.125, -2.0 + 0.001 - 0.25])
+    torch.testing.assert_close(out["main"], expected_main, rtol=0, atol=1e-6)
+    assert out["w16"].dtype == torch.bfloat16 and torch.equal(out["w16"], expected_main.to(torch.bfloat16))
+    torch.testing.assert_close(out["w32"], torch.tensor([3.0 - 0.5]))
+
+
+def _router_gemm_on_a_cuda_machine_without_te():
+    """A CUDA machine without transformer-engine (CUDA faked: only `torch.cuda.is_available` answers True): no CPU
+    patches, but megatron's router gating GEMM still needs its `te_general_gemm` fix."""
+    torch.cuda.is_available = lambda: True
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_gspo.parallel import cpu_backend as cb
+
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    out = {"have_te": moe_utils.HAVE_TE, "cpu_patches": cb.apply()}
+    try:
+        moe_utils.router_gating_linear(x, w, None, torch.float32)
+        out["unpatched"] = "ran"
+    except NameError as err:
+        out["unpatched"] = f"NameError: {err}"
+    out["fixed"] = cb.apply_without_te()
+    out["again"] = cb.apply_without_te()  # idempotent
+    y = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    y.sum().backward()
+    out.update(x=x.detach(), w=w.detach(), y=y.detach(), dx=x.grad, dw=w.grad)
+    return out
+
+
+def test_router_gating_without_te_on_a_cuda_machine():
+    out = run_distributed(_router_gemm_on_a_cuda_machine_without_te, world_size=1)[0]
+    assert out["have_te"] is False and out["cpu_patches"] is False
+    assert out["unpatched"] == "NameError: name 'te_general_gemm' is not defined"  # the megatron 0.16 bug
+    assert out["fixed"] is True and out["again"] is False
+    x, w = out["x"], out["w"]
+    torch.testing.assert_close(out["y"], (x @ w.T).float())  # megatron's torch.mm path, in the router dtype
+    # d/dx sum(x W^T) = W summed over experts for every token; d/dW = x summed over tokens for every expert.
+    torch.testing.assert_close(out["dx"], w.sum(0).expand(5, 3))
+    torch.testing.assert_close(out["dw"], x.sum(0).expand(4, 3))

@@ -18,8 +18,17 @@ def run(argv):
 def test_flags_surface():
     flags = {a for action in build_parser()._actions for a in action.option_strings}
     expected = {"--config", "--preset", "--nodes", "--gpus-per-node", "--gpu-memory-gb", "--seq-len",
-                "--micro-batch-size", "--recompute", "--routing-replay", "--tp", "--pp", "--ep", "--etp", "--cp"}
+                "--micro-batch-size", "--recompute", "--routing-replay", "--tp", "--pp", "--ep", "--etp"}
     assert expected <= flags
+    assert "--cp" not in flags  # context parallelism is not implemented: the planner does not offer it
+
+
+def test_config_with_context_parallelism_is_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel: {tp: 2, sequence_parallel: true, cp: 2}\n")
+    code, _, err = run(["--config", str(path), "--nodes", "2"])
+    assert code == 2
+    assert "parallel.cp=2 is not supported" in err and len(err.strip().splitlines()) == 1
 
 
 def test_help_exits_zero(capsys):

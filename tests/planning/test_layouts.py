@@ -38,7 +38,7 @@ def test_valid_layout_gives_dp():
         (dict(ep=32), "parallel.ep*etp=32*1 does not divide world_size/pp=16"),
         (dict(ep=2, etp=5), "parallel.etp=5 does not divide model.moe_intermediate_size=768"),
         (dict(pp=2, virtual_pp=5), "parallel.virtual_pp=5"),
-        (dict(cp=3), "parallel.tp*pp*cp=1*1*3=3 does not divide the world size 16"),
+        (dict(pp=3), "parallel.tp*pp*cp=1*3*1=3 does not divide the world size 16"),  # cp > 1 is refused earlier
     ],
 )
 def test_invalid_layout_names_the_key(parallel, key):

@@ -89,6 +89,20 @@ def test_two_process_tensor_parallel_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_run_with_load_balancing_loss(tmp_path):
+    """The cluster's precision and aux loss: bf16 params with fp32 master params and grads, aux 0.001."""
+    _train(tmp_path / "bf16", ["model.dtype=bf16", "model.overrides.router_aux_loss_coef=0.001", "trainer.steps=2",
+                                "data.reward=tests.training.rewards:contains_one"])
+    rows = _rows(tmp_path / "bf16")
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():
+        assert r["num_sequences"] == 8 * 4 and r["skipped_steps"] == 0
+        assert 0 < r["grad_norm"] < float("inf")
+    info = json.loads((tmp_path / "bf16" / "checkpoints" / "iter_0000002" / "megatron_gspo.json").read_text())
+    assert info["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path):
     steps = ["trainer.steps=4", "trainer.ckpt_every=1", "trainer.save_final=false"]
     _train(tmp_path / "full", steps)

@@ -55,3 +55,8 @@ def test_off_and_on_stay_strings(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_run_config(tmp_path / "nope.yaml")
+
+
+def test_context_parallelism_is_refused():
+    with pytest.raises(ValueError, match=r"parallel\.cp=2 is not supported: context parallelism is not implemented"):
+        load_run_config(EXAMPLE, ["parallel.cp=2"])
