@@ -9,6 +9,7 @@ from tests.distributed import run_distributed
 def _aux_loss_models_of_two_depths():
     from megatron_gspo.models.build import build_model
     from megatron_gspo.models.config import preset
+    from megatron_gspo.models.router import set_aux_loss_weight
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
 
     losses = []
@@ -27,6 +28,7 @@ def _aux_loss_models_of_two_depths():
             )
             (model,) = build_model(cfg, ParallelConfig())
             model.train()
+            set_aux_loss_weight([model], 1.0)  # what engine.forward_backward sets for a real step
             ids = torch.randint(0, cfg.vocab_size, (2, 6))
             logits = model(ids, torch.arange(6).expand(2, -1), None)
             logits.float().sum().backward()  # the router's aux loss is attached and tracked in training forwards
