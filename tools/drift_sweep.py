@@ -29,7 +29,11 @@ from pathlib import Path
 # The README's grid, relative to examples/stability_moe.yaml (64 experts top-8, 6 layers, lr 3e-4, GSPO): one
 # factor at a time around 32 experts top-4 ("e32k4"), then the algorithms and learning rates that decide the
 # preset, then 60-step checks of the chosen learning rate.
-E, K, L = "model.overrides.num_experts", "model.overrides.num_experts_per_tok", "model.overrides.num_hidden_layers"
+E, K, L = (
+    "model.overrides.num_experts",
+    "model.overrides.num_experts_per_tok",
+    "model.overrides.num_hidden_layers",
+)
 FFN, LR = "model.overrides.moe_intermediate_size", "optim.lr"
 E32 = [f"{E}=32", f"{K}=4", f"{FFN}=64"]
 GRPO, R2 = "loss.algorithm=grpo", "moe.routing_replay=r2"
@@ -64,7 +68,9 @@ def _sft_key(cfg) -> str:
     relevant = {s: tree[s] for s in SFT_SECTIONS}
     relevant["model"] = {**relevant["model"], "load": None}
     relevant["seed"] = tree["trainer"]["seed"]
-    return hashlib.blake2b(json.dumps(relevant, sort_keys=True, default=str).encode(), digest_size=6).hexdigest()
+    return hashlib.blake2b(
+        json.dumps(relevant, sort_keys=True, default=str).encode(), digest_size=6
+    ).hexdigest()
 
 
 def drift_row(name: str, overrides: list[str], run_dir: Path, sft: dict) -> dict:
@@ -89,7 +95,8 @@ def drift_row(name: str, overrides: list[str], run_dir: Path, sft: dict) -> dict
     return {
         "point": name,
         "overrides": overrides,
-        "algorithm": cfg.loss.algorithm + ("+" + cfg.moe["routing_replay"] if cfg.moe.get("routing_replay", "off") != "off" else ""),
+        "algorithm": cfg.loss.algorithm
+        + ("+" + cfg.moe["routing_replay"] if cfg.moe.get("routing_replay", "off") != "off" else ""),
         "experts": m.num_experts,
         "topk": m.num_experts_per_tok,
         "layers": m.num_hidden_layers,
@@ -113,7 +120,9 @@ def drift_row(name: str, overrides: list[str], run_dir: Path, sft: dict) -> dict
         "eval_after": evals[-1]["eval_accuracy"] if evals else math.nan,
         "clip_seq": mean("clip_frac_low_seq") + mean("clip_frac_high_seq"),
         # Generation + old log-probs + updates + weight sync per RL step (evaluations excluded).
-        "seconds_per_step": mean("time_generate", rows) + mean("time_old_logprobs", rows) + mean("time_update", rows)
+        "seconds_per_step": mean("time_generate", rows)
+        + mean("time_old_logprobs", rows)
+        + mean("time_update", rows)
         + mean("time_sync", rows),
         "rl_steps": len(rows),
     }
@@ -134,8 +143,15 @@ def run_point(config: str, base: list[str], name: str, overrides: list[str], out
     run_dir = out / "rl" / name
     cfg = load_run_config(  # a point's own trainer.steps wins over --steps
         config,
-        [f"trainer.steps={steps}", *every, f"model.load={sft_dir}", f"trainer.run_dir={run_dir}",
-         "trainer.save_final=false", "trainer.progress=false", "eval.every=0"],
+        [
+            f"trainer.steps={steps}",
+            *every,
+            f"model.load={sft_dir}",
+            f"trainer.run_dir={run_dir}",
+            "trainer.save_final=false",
+            "trainer.progress=false",
+            "eval.every=0",
+        ],
     )
     trainer = GSPOTrainer(cfg)
     try:
@@ -180,8 +196,15 @@ def table(rows: list[dict]) -> str:
 def rebuild(out: Path) -> int:
     """Rows recomputed from OUT/rl/<point> (the SFT figures are kept from the old rows)."""
     rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines() if line.strip()]
-    rows = [drift_row(r["point"], DEFAULT_POINTS.get(r["point"], r["overrides"]), out / "rl" / r["point"],
-                      {"sft_steps": r["sft_steps"], "sft_seconds": r["sft_seconds"]}) for r in rows]
+    rows = [
+        drift_row(
+            r["point"],
+            DEFAULT_POINTS.get(r["point"], r["overrides"]),
+            out / "rl" / r["point"],
+            {"sft_steps": r["sft_steps"], "sft_seconds": r["sft_seconds"]},
+        )
+        for r in rows
+    ]
     (out / "sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = table(rows)
     (out / "sweep.md").write_text(md + "\n")
@@ -194,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="examples/stability_moe.yaml")
     p.add_argument("--out", default="runs/drift_sweep")
     p.add_argument("--steps", type=int, default=20, help="RL steps per point")
-    p.add_argument("--point", action="append", default=[], help='"NAME: key=value key=value" (default: the grid)')
+    p.add_argument(
+        "--point", action="append", default=[], help='"NAME: key=value key=value" (default: the grid)'
+    )
     p.add_argument("--only", default="", help="comma list of default-grid point names to run")
-    p.add_argument("--rebuild", action="store_true",
-                   help="recompute OUT/sweep.jsonl and sweep.md from the points' run directories (no training)")
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="recompute OUT/sweep.jsonl and sweep.md from the points' run directories (no training)",
+    )
     p.add_argument("overrides", nargs="*", help="overrides applied to every point")
     args = p.parse_args(argv)
     if args.rebuild:

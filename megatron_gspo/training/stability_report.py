@@ -344,21 +344,34 @@ def write_report(
     report.write_text("\n".join(lines) + "\n")
     (out_dir / "report.json").write_text(
         json.dumps(
-            {
-                v: {
-                    "aggregate": {k: (list(x) if isinstance(x, tuple) else x) for k, x in agg[v].items()},
-                    "runs": {
-                        str(s): {
-                            **{k: x for k, x in r.items() if k != "verdict"},
-                            "verdict": r["verdict"].label(),
-                        }
-                        for s, r in rows[v].items()
-                    },
+            _json_safe(
+                {
+                    v: {
+                        "aggregate": agg[v],
+                        "runs": {
+                            str(s): {
+                                **{k: x for k, x in r.items() if k != "verdict"},
+                                "verdict": r["verdict"].label(),
+                            }
+                            for s, r in rows[v].items()
+                        },
+                    }
+                    for v in agg
                 }
-                for v in agg
-            },
+            ),
             indent=2,
             default=float,
         )
     )
     return report
+
+
+def _json_safe(value):
+    """NaN / inf -> None (strict JSON), recursively through dicts, lists and tuples."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

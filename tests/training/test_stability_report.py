@@ -166,7 +166,9 @@ def test_report_tables_and_figures(tmp_path):
     ):
         assert f"(plots/{name}.png)" in report
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 5000
-    data = json.loads((tmp_path / "report.json").read_text())
+    # Strict JSON: metrics the runs did not log (here the per-rollout-batch drift) are null, not NaN.
+    data = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"JSON {c}"))
+    assert data["gspo"]["aggregate"]["drift_rollout"] == [None, None]
     assert data["grpo"]["aggregate"]["collapsed"] == 2 and data["gspo"]["runs"]["1"]["verdict"] == "stable"
 
 
