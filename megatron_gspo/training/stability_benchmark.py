@@ -244,6 +244,7 @@ def run_stability(
     out.mkdir(parents=True, exist_ok=True)
     start = clock()
     started_at = datetime.datetime.now().isoformat(timespec="seconds")
+    code = _code_version()  # at the start: the code this invocation imports and runs
     extra = []
     if base.model.load is None:
         extra = [f"model.load={_shared_sft(base, out)}"]
@@ -301,7 +302,7 @@ def run_stability(
             "variants": variants,
             "seeds": seed_list,
             "budget_minutes": budget_minutes,
-            "code": _code_version(),
+            "code": code,
             "started": started_at,
             "seconds": total,
             "runs": records,
@@ -314,7 +315,8 @@ def run_stability(
             f"(trainer.seed); {base.trainer.steps} RL steps per run; {sum(r['status'] == 'ran' for r in records)} "
             f"run(s) trained and {sum(r['status'] == 'reused' for r in records)} reused in {_minutes(total)} "
             "(wall time of this invocation).",
-            f"Code: {code.get('commit', 'unknown')}{' (uncommitted changes)' if code.get('dirty') else ''}.",
+            f"Code of the runs trained by this invocation: {code.get('commit', 'unknown')}"
+            f"{' (uncommitted changes)' if code.get('dirty') else ''}.",
         ]
         write_report(out, result.done, skipped=result.skipped, header=header)
         log.info("stability report written to %s (%s)", result.report, _minutes(total))
