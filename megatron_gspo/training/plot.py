@@ -119,14 +119,22 @@ def _band_plot(
     return drawn
 
 
-def _finish(fig, ax_list, path: Path, xlabel: str = "RL step") -> Path:
+def _finish(fig, ax_list, path: Path, xlabel: str = "RL step", *, shared_legend: bool = False) -> Path:
+    """Axis labels, grids and legends (one per axis, or one below the figure for axes with the same curves)."""
     for ax in ax_list:
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if not shared_legend and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if shared_legend:
+        handles, labels = ax_list[0].get_legend_handles_labels()
+        ncol = len(labels) if len(labels) <= 6 else 5
+        fig.legend(handles, labels, loc="lower center", ncol=max(ncol, 1), fontsize=7, frameon=False)
+        rows = -(-len(labels) // max(ncol, 1))
+        fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
+    else:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -172,7 +180,7 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
     _band_plot(axes[1], runs, "expert_drift_rollout_tokens_changed", scale=100, linestyle="--", suffix=", K steps")
     axes[1].set_ylabel("tokens changed in >= 1 layer (%)")
     axes[1].set_title(f"Tokens whose top-k set changed in any layer\n({band_note})", fontsize=9)
-    written.append(_finish(fig, list(axes), plots / "expert_drift.png"))
+    written.append(_finish(fig, list(axes), plots / "expert_drift.png", shared_legend=True))
 
     layer_keys = sorted(
         {k for by_seed in runs.values() for d in by_seed.values() for r in read_jsonl(d / "metrics.jsonl")[:1]
@@ -194,8 +202,9 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
             ax.set_ylabel("drift per update (%)")
         for ax in flat[len(runs) :]:
             ax.axis("off")
-        fig.suptitle(f"Expert drift per MoE layer (mean over seeds, {SMOOTH}-step moving average)", fontsize=10)
-        written.append(_finish(fig, flat[: len(runs)], plots / "drift_per_layer.png"))
+        fig.suptitle(f"Expert drift per MoE layer after one optimizer step (mean over seeds, {SMOOTH}-step moving "
+                     "average)", fontsize=10)
+        written.append(_finish(fig, flat[: len(runs)], plots / "drift_per_layer.png", shared_legend=True))
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.4), sharex=True)
     panels = (("clip_frac_low_tok", "tokens below 1 - eps_low"), ("clip_frac_high_tok", "tokens above 1 + eps_high"),
@@ -206,7 +215,7 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
         ax.set_title(f"clipped {title}", fontsize=9)
         ax.set_ylabel("fraction")
     fig.suptitle(f"Clip fractions (GSPO: eps 3e-4 / 4e-4; GRPO: 0.2 / 0.27), {band_note}", fontsize=9)
-    written.append(_finish(fig, list(axes.flat), plots / "clip_fractions.png"))
+    written.append(_finish(fig, list(axes.flat), plots / "clip_fractions.png", shared_legend=True))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     drawn = _band_plot(axes[0], runs, "mismatch_kl", smooth=1)
@@ -223,5 +232,5 @@ def stability_figures(out_dir: Path, runs: dict[str, dict[int, Path]]) -> list[P
     elif all(v == 0 for by_seed in runs.values() for d in by_seed.values() for _, v in curve(d, "routing_mismatch")):
         axes[1].text(0.5, 0.6, "0 at every step: the engine routed exactly as the trainer", ha="center",
                      transform=axes[1].transAxes, fontsize=8)
-    written.append(_finish(fig, list(axes), plots / "train_inference_mismatch.png"))
+    written.append(_finish(fig, list(axes), plots / "train_inference_mismatch.png", shared_legend=True))
     return written
