@@ -2,15 +2,24 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The rollout environment: vLLM (CPU build without a GPU) + our vLLM plugin, apart from the trainer's .venv.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test demo lint clean
+.PHONY: install rollout-env test demo lint clean
 
 install: $(STAMP)
 
 $(STAMP): setup.py tools/install.sh
 	bash tools/install.sh
 
-test: $(STAMP)
+rollout-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): setup.py tools/rollout_env.sh
+	bash tools/rollout_env.sh
+
+# The vLLM end-to-end tests (tests/rollout/vllm) start real servers from $(VLLM_VENV).
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
@@ -22,4 +31,4 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check megatron_gspo tests tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

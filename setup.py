@@ -40,5 +40,10 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang-router"],
         "rollout": ["sglang", "sglang-router"],
     },
-    entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli.main:main"]},
+    entry_points={
+        "console_scripts": ["megatron-gspo=megatron_gspo.cli.main:main"],
+        # Inside a vLLM environment (`pip install --no-deps megatron-gspo` there): the weight-transfer backend the
+        # trainer's vLLM engine uses on CPU (rollout/vllm/plugin.py). Inert where vLLM is not installed.
+        "vllm.general_plugins": ["megatron_gspo=megatron_gspo.rollout.vllm.plugin:register"],
+    },
 )

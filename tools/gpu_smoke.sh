@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megatron-gspo GPU smoke test: what CPU CI cannot check, in one script (about 5-8 minutes on one H200).
+# megatron-gspo GPU smoke test: what CPU CI cannot check, in one script (about 6-9 minutes on one H200).
 #
 #   bash tools/gpu_smoke.sh                                          # from anywhere in the repository
 #   SGLANG_PYTHON=/opt/sglang-venv/bin/python bash tools/gpu_smoke.sh  # also the SGLang rollout path
@@ -16,6 +16,9 @@
 #                node without TE): local spec on CUDA, megatron's router without te_general_gemm, selective
 #                recompute, aux loss on; the TE import error must be reported
 #   train-2gpu   the same under torchrun on 2 GPUs with tp=2 (sequence parallel) and ep=2   (needs >= 2 GPUs)
+#   device-1gpu  tools/gpu_device_check.py: one RL step and one SFT step (bf16) with every model input checked to be
+#                on CUDA (fails on any tensor reaching the model from the host)
+#   device-2gpu  the same under torchrun on 2 GPUs with tp=2 (sequence parallel): the RL step of a TP=2 model  (>= 2 GPUs)
 #   sglang-*     SGLang rollouts (needs SGLANG_PYTHON: an environment where `import sglang` works):
 #                sglang-sft (a few SFT steps -> model checkpoint), sglang-hf (convert megatron-to-hf),
 #                sglang-rl (2 RL steps with rollout.engine=sglang: one server launched by the trainer with
@@ -108,7 +111,7 @@ summary() {
     exit "$failed"
 }
 
-GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu sglang-sft sglang-hf sglang-rl)
+GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu device-1gpu device-2gpu sglang-sft sglang-hf sglang-rl)
 skip_rest() {  # reason, parts...
     local reason="$1" p
     shift
@@ -194,6 +197,18 @@ if ((NGPU >= 2)); then
         parallel.tp=2 parallel.sequence_parallel=true parallel.ep=2
 else
     skip train-2gpu "needs >= 2 GPUs (found $NGPU)"
+fi
+
+# ---- (b') device discipline on CUDA: no model input from the host (the CPU proof: tests/training/test_device_placement.py)
+DEVICE_CHECK=(tools/gpu_device_check.py model.dtype=bf16)
+run_part device-1gpu 150 --expect '^device check: OK' \
+    "$PYTHON" "${DEVICE_CHECK[@]}" --run-dir "$WORK/device-1gpu"
+if ((NGPU >= 2)); then
+    run_part device-2gpu 180 --expect '^device check: OK' \
+        "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=2 "${DEVICE_CHECK[@]}" \
+        --run-dir "$WORK/device-2gpu" parallel.tp=2 parallel.sequence_parallel=true
+else
+    skip device-2gpu "needs >= 2 GPUs (found $NGPU)"
 fi
 
 # ---- (c) SGLang rollouts ---------------------------------------------------------------------------------------

@@ -194,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megatron-gspo: error: {err}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
+    from megatron_gspo.rollout.server.errors import ServerError
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"megatron-gspo: error: {err}", file=sys.stderr)
         return 2
+    except ServerError as err:  # a rollout server failed (died, refused, answered garbage): say which, in one line
+        print(f"megatron-gspo: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ class ReplayRouters:
         self.topk = int(config.moe_router_topk)
         sp = bool(config.sequence_parallel)
         tp = ps.get_tensor_model_parallel_world_size()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        # Replay targets go where the routers' weights are (the model's device).
+        device = modules[0].weight.device
         self.placement = RankPlacement(
             layer_ids=tuple(layer_ids),
             token_split=tp if sp else 1,

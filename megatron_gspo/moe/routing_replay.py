@@ -299,7 +299,7 @@ class RoutingReplay:
         stage must hold the same sequences). For metrics and R3-style export; replay needs only local layers."""
         if self._routers.pp_size() == 1:
             return routes
-        return gather_layers(routes, self._routers.pp_group())
+        return gather_layers(routes, self._routers.pp_group(), device=self.placement.device)
 
     def metrics(self, routes: RouteStore) -> dict[str, float]:
         """`routes_memory_bytes`: bytes this rank keeps for the rollout batch's routes (plus their token count)."""
@@ -328,10 +328,11 @@ def _all_gather_cat(local: torch.Tensor, group, world: int) -> list[torch.Tensor
     return [t.view(local.dtype) for t in out]
 
 
-def gather_layers(routes: RouteStore, group) -> RouteStore:
+def gather_layers(routes: RouteStore, group, device: torch.device | str = "cpu") -> RouteStore:
     """Union of the layers of `routes` over the ranks of `group` (pipeline stages), on every rank of the group.
 
-    Every rank must hold the same sequence indices with the same token counts (stages see the same batches)."""
+    Every rank must hold the same sequence indices with the same token counts (stages see the same batches).
+    `device`: where the all-gather's buffers live (the model's device; NCCL takes CUDA tensors only)."""
     world = dist.get_world_size(group)
     meta = (routes.layer_ids, [(i, routes[i].shape[0]) for i in routes.seq_indices])
     metas: list = [None] * world
@@ -345,9 +346,8 @@ def gather_layers(routes: RouteStore, group) -> RouteStore:
         if seqs
         else torch.empty(0, len(routes.layer_ids), routes.topk, dtype=routes.dtype)
     )
-    device = flat.device
-    if dist.get_backend(group) == "nccl":
-        flat = flat.cuda()
+    store_device = flat.device
+    flat = flat.to(device)
     padded = torch.zeros(flat.shape[0], n_max, routes.topk, dtype=flat.dtype, device=flat.device)
     padded[:, : flat.shape[1]] = flat
     parts = _all_gather_cat(padded, group, world)
@@ -358,7 +358,7 @@ def gather_layers(routes: RouteStore, group) -> RouteStore:
     for (ids, _), part in zip(metas, parts):
         for j, layer in enumerate(ids):
             by_layer[layer] = part[:, j]
-    full = torch.stack([by_layer[layer] for layer in layer_ids], dim=1).to(device)
+    full = torch.stack([by_layer[layer] for layer in layer_ids], dim=1).to(store_device)
     out = RouteStore(routes.num_experts, routes.topk, layer_ids)
     offset = 0
     for i in seqs:

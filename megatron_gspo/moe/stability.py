@@ -103,15 +103,21 @@ def store_route_change(
     masks: Mapping[int, torch.Tensor] | None = None,
     seq_indices: Iterable[int] | None = None,
     group=None,
+    reduce_group=None,
+    device: torch.device | str = "cpu",
     prefix: str = "expert_drift",
 ) -> dict[str, float]:
     """`route_change` over the sequences of two RouteStores (default: those in `a`), on the layers both hold.
 
-    `masks[i]`: bool [T_i] tokens of sequence i that count (e.g. `response_token_mask`); default all. With a
-    process `group` (pipeline stages, each holding its own layers for the same sequences) the result covers
-    every stage's layers and is the same on each rank (collective). Returns floats: `{prefix}`,
-    `{prefix}_tokens_changed`, `{prefix}_num_tokens`, and per global layer l `{prefix}_layer{l}`,
-    `{prefix}_tokens_changed_layer{l}`.
+    `masks[i]`: bool [T_i] tokens of sequence i that count (e.g. `response_token_mask`); default all. Two process
+    groups combine what other ranks hold (collectives: every rank of a group calls with the same layers):
+    - `group`: ranks holding the other layers of the same tokens (pipeline stages); the result covers every
+      stage's layers.
+    - `reduce_group`: ranks holding other tokens of the same layers (data-parallel replicas); overlaps, changed
+      tokens and token counts are summed, so the result is that of all their tokens together.
+    The result is the same on every rank of both groups. `device`: where the collectives' buffers live (the
+    model's device; NCCL takes CUDA tensors only). Returns floats: `{prefix}`, `{prefix}_tokens_changed`,
+    `{prefix}_num_tokens`, and per global layer l `{prefix}_layer{l}`, `{prefix}_tokens_changed_layer{l}`.
     """
     if a.topk != b.topk:
         raise ValueError(f"routes with top-{a.topk} and top-{b.topk} cannot be compared")
@@ -144,21 +150,29 @@ def store_route_change(
         per_layer = {}
         for g in gathered:
             per_layer.update(g[0])
-        flags = any_T.to(torch.int32)
-        if dist.get_backend(group) == "nccl":
-            flags = flags.cuda()
+        flags = any_T.to(device=device, dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         any_T = flags.bool()
+    n_changed = float(any_T.sum())
+    ordered = sorted(per_layer)
+    if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+        sums = [per_layer[layer][0] for layer in ordered] + [per_layer[layer][1] for layer in ordered]
+        totals = torch.tensor([*sums, n_tok, n_changed], dtype=torch.float64, device=device)
+        dist.all_reduce(totals, group=reduce_group)
+        values = totals.tolist()
+        k = len(ordered)
+        per_layer = {layer: (values[j], values[k + j]) for j, layer in enumerate(ordered)}
+        n_tok, n_changed = values[2 * k], values[2 * k + 1]
     out: dict[str, float] = {}
     drifts = []
-    for layer in sorted(per_layer):
+    for layer in ordered:
         overlap, changed = per_layer[layer]
         drift = 1.0 - overlap / (topk * n_tok) if n_tok else 0.0
         drifts.append(drift)
         out[f"{prefix}_layer{layer}"] = drift
         out[f"{prefix}_tokens_changed_layer{layer}"] = changed / n_tok if n_tok else 0.0
     out[prefix] = math.fsum(drifts) / len(drifts) if drifts else 0.0
-    out[f"{prefix}_tokens_changed"] = float(any_T.sum()) / n_tok if n_tok else 0.0
+    out[f"{prefix}_tokens_changed"] = n_changed / n_tok if n_tok else 0.0
     out[f"{prefix}_num_tokens"] = n_tok
     return out
 

@@ -1,4 +1,4 @@
-"""What a rollout engine returns, and the protocol every engine (local, SGLang) implements.
+"""What a rollout engine returns, and the protocol every engine (local, vLLM, SGLang) implements.
 
 Routed-expert convention (same as SGLang's `return_routed_experts`): one row per token *fed* to the model, i.e.
 positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never an input), shape
@@ -87,9 +87,21 @@ def compact_expert_dtype(num_experts: int) -> torch.dtype:
     raise ValueError(f"{num_experts} experts do not fit int16 routing storage")
 
 
+@dataclass(frozen=True)
+class RoutingSpec:
+    """Shape and range of a routed-experts record."""
+
+    num_layers: int
+    """MoE layers L."""
+    topk: int
+    """Experts per token K."""
+    num_experts: int
+    """Expert ids must lie in [0, num_experts)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A source of rollouts: the in-process engine on CPU, SGLang servers on GPU clusters."""
+    """A source of rollouts: the in-process engine, or vLLM / SGLang servers."""
 
     weight_version: int
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from megatron_gspo.algorithms import make_policy_loss
 from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
 from megatron_gspo.data.config import DataConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
@@ -65,7 +66,7 @@ class RolloutConfig:
     """Generation of the rollout batch."""
 
     engine: str = "local"
-    """local (in-process, the training model) | sglang (servers; see rollout/sglang_config.py)."""
+    """local (in-process, the training model) | vllm | sglang (servers; rollout/vllm/config.py, rollout/sglang/config.py)."""
     group_size: int = 8
     """G: responses per prompt (Eq.5-6)."""
     max_new_tokens: int = 8
@@ -86,8 +87,8 @@ class RolloutConfig:
     """Importance correction between training and rollout engine log-probs."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("local", "sglang"):
-            raise ValueError(f"rollout.engine={self.engine!r} must be local or sglang")
+        if self.engine not in ("local", "vllm", "sglang"):
+            raise ValueError(f"rollout.engine={self.engine!r} must be local, vllm or sglang")
         if self.group_size < 2:
             raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (advantages are group-relative)")
         if self.max_new_tokens < 1:
@@ -194,6 +195,17 @@ class RunConfig:
     """MoE options (routing replay, drift measurement); validated by megatron_gspo.moe when used."""
     sglang: dict = field(default_factory=dict)
     """SGLang engine options (rollout.engine=sglang); validated by megatron_gspo.rollout when used."""
+    vllm: dict = field(default_factory=dict)
+    """vLLM engine options (rollout.engine=vllm): the fields of rollout/vllm/config.py VLLMConfig, validated
+    (unknown keys and bad values named) when the engine is built."""
+
+    def __post_init__(self) -> None:
+        if self.rollout.correction.level == "token" and make_policy_loss(self.loss).sequence_level:
+            # GSPO's loss only sees per-sequence log-prob sums: per-token weights would be silently ignored.
+            raise ValueError(
+                f"rollout.correction.level=token has no effect with loss.algorithm={self.loss.algorithm} (a "
+                "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"
+            )
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-serialisable)."""

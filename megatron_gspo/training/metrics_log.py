@@ -15,12 +15,22 @@ from megatron_gspo.algorithms import combine_metrics
 _BAR_KEYS = ("reward_mean", "clip_frac_low_tok", "clip_frac_high_tok")
 
 
+ROLLOUT_COUNTS = ("groups_dropped", "groups_zero_variance_kept", "reward_errors")
+"""Rollout statistics that are counts: summed over data-parallel replicas (the others are means over equal shares)."""
+
+
 def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: dict, times: dict, batch) -> dict:
-    """One flat dict per RL step, identical on every rank (rank 0 writes it)."""
+    """One flat dict per RL step, identical on every rank (rank 0 writes it).
+
+    Every statistic covers the whole rollout batch: each data-parallel replica reports its share once (loss parts
+    from its TP rank 0 of the last pipeline stage, rollout statistics and the train / rollout mismatch from its
+    first model-parallel rank) and the shares combine like the full batch would (`combine_metrics`; counts add
+    up). Expert drift and routing mismatch are combined over replicas where they are measured
+    (`store_route_change`). `grad_norm` is the mean over the minibatch steps taken; skipped steps are counted in
+    `skipped_steps` instead (NaN only when every step was skipped).
+    """
     from megatron.core import parallel_state as ps
 
-    # Each data-parallel replica reports once: loss parts from its (TP rank 0) last pipeline stage, rollout
-    # statistics from its first model-parallel rank.
     tp0 = ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     report_parts = tp0 and ps.is_pipeline_last_stage(ignore_virtual=True)
     report_rollout = tp0 and ps.get_pipeline_model_parallel_rank() == 0
@@ -31,32 +41,42 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
             "parts": [{k: v.item() for k, v in p.items()} for p in local_parts],
             "engine": {k: v.item() for k, v in engine.items()} if engine else None,
             "rollout": rollout_stats if report_rollout else None,
+            "mismatch": mismatch if report_rollout and mismatch else None,
         }
     )
-    parts = [{k: torch.tensor(v) for k, v in p.items()} for g in gathered for p in g["parts"]]
     out: dict = {}
+    parts = [_tensors(p) for g in gathered for p in g["parts"]]
     if parts:
         out.update({k: float(v) for k, v in combine_metrics(parts).items()})
-    engine_parts = [{k: torch.tensor(v) for k, v in g["engine"].items()} for g in gathered if g["engine"]]
+    engine_parts = [_tensors(g["engine"]) for g in gathered if g["engine"]]
     if engine_parts:
         merged = combine_metrics(engine_parts)
         for key in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "approx_kl"):
             out[f"mismatch_{key}"] = float(merged[key])
-    # Equal-sized shares per data-parallel rank, so the mean of the replicas' means is the batch mean.
+    mismatch_parts = [_tensors(g["mismatch"]) for g in gathered if g["mismatch"]]
+    if mismatch_parts:
+        for k, v in combine_metrics(mismatch_parts).items():
+            out[k if k.startswith("mismatch") else f"mismatch_{k}"] = float(v)
+    # Equal-sized shares per data-parallel rank: the mean of the replicas' means is the batch mean.
     rollouts = [g["rollout"] for g in gathered if g["rollout"] is not None]
     for key in rollouts[0]:
-        out[key] = sum(r[key] for r in rollouts) / len(rollouts)
+        total = math.fsum(r[key] for r in rollouts)
+        out[key] = total if key in ROLLOUT_COUNTS else total / len(rollouts)
     # Expert drift: each pipeline stage measured its own layers; store_route_change combined them already.
     out.update(updates[0].get("drift") or {})
-    out["grad_norm"] = sum(u["grad_norm"] for u in updates) / len(updates)
+    norms = [u["grad_norm"] for u in updates if not u["skipped"]]
+    out["grad_norm"] = math.fsum(norms) / len(norms) if norms else float("nan")
     out["lr"] = updates[-1]["lr"]
     out["skipped_steps"] = sum(u["skipped"] for u in updates)
-    out.update(mismatch)
     out.update(times)
     step_time = sum(times.values())
     tokens = int(batch.tokens_NL.ne(rt.tokenizer.pad_id).sum()) * rt.dp.size
     out["tokens_per_s"] = tokens / step_time if step_time > 0 else float("nan")
     return out
+
+
+def _tensors(metrics: dict) -> dict:
+    return {k: torch.tensor(v) for k, v in metrics.items()}
 
 
 class _Bar:

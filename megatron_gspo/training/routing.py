@@ -6,6 +6,7 @@
 Drift: routes of the drift sample under pi_old (before the step) vs after the first optimizer step, over
 response tokens: 1 - mean |S_old ∩ S_new| / k, plus the fraction of tokens whose set changed in any layer
 (`expert_drift*`); the same after all K optimizer steps of the rollout batch (`expert_drift_rollout*`).
+Drift and routing mismatch are statistics of all data-parallel replicas' tokens together (not rank 0's share).
 """
 
 from __future__ import annotations
@@ -87,9 +88,8 @@ class RoutingControl:
             return {}
         idx = [i for i, _, _ in rows]
         masks = {i: response_token_mask(p, p + r - 1) for i, p, r in rows}
-        group = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
         return store_route_change(
-            engine_routes, trainer_routes, masks=masks, seq_indices=idx, group=group, prefix="routing_mismatch"
+            engine_routes, trainer_routes, masks=masks, seq_indices=idx, prefix="routing_mismatch", **self._groups()
         )
 
     def training_pass(self):
@@ -104,6 +104,14 @@ class RoutingControl:
         """A recording context (drift measurement passes)."""
         return self.rr.record()
 
+    def _groups(self) -> dict:
+        """How route statistics combine over ranks: pipeline stages hold the other layers of the same tokens,
+        data-parallel replicas the other tokens (TP ranks hold the full sequences after `record()`'s gather);
+        the collectives' buffers live on the routers' device."""
+        pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+        dp = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+        return {"group": pp, "reduce_group": dp, "device": self.rr.placement.device}
+
     def _num_experts(self) -> int:
         return int(self.rr.num_experts) if hasattr(self.rr, "num_experts") else 0
 
@@ -117,8 +125,9 @@ class RoutingControl:
             int(i): response_token_mask(int(p), int(p + r - 1))
             for i, p, r in zip(idx, sample.prompt_lens_N.tolist(), sample.response_lens_N.tolist())
         }
-        group = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-        metrics = store_route_change(self.pre_routes, post, masks=masks, seq_indices=idx, group=group, prefix=prefix)
+        metrics = store_route_change(
+            self.pre_routes, post, masks=masks, seq_indices=idx, prefix=prefix, **self._groups()
+        )
         if self.routes is not None:
             metrics.update({k: float(v) for k, v in self.rr.metrics(self.routes).items()})
         return metrics

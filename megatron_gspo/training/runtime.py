@@ -57,6 +57,8 @@ class Runtime:
             ),
         )
         self.models = [unwrap(c) for c in self.chunks]
+        self.device: torch.device = next(self.models[0].parameters()).device
+        """The model's device: every tensor that meets the model or a collective is made on it or moved to it."""
         self.optimizer = build_optimizer(self.chunks, optim, self.dtype)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -84,7 +86,7 @@ class Runtime:
         self.engine = self._make_engine()
         if cfg.model.load:
             self.load_model(cfg.model.load)
-        elif cfg.rollout.engine == "sglang":
+        elif cfg.rollout.engine != "local":
             # Servers start from their own checkpoint; push the trainer's weights so both policies are equal.
             self.engine.update_weights(self.models, 0)
 
@@ -112,6 +114,10 @@ class Runtime:
             from megatron_gspo.rollout.sglang import make_sglang_engine
 
             return make_sglang_engine(self)
+        if self.cfg.rollout.engine == "vllm":
+            from megatron_gspo.rollout.vllm.engine import make_vllm_engine
+
+            return make_vllm_engine(self)
         from megatron_gspo.rollout.local import LocalEngine
 
         return LocalEngine(self.models, self.model_config, pad_id=self.tokenizer.pad_id)

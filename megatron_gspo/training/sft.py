@@ -12,7 +12,7 @@ import time
 import torch
 
 from megatron_gspo.data.dataset import PromptSampler
-from megatron_gspo.training.batch import token_logprobs_from_logits
+from megatron_gspo.training.batch import model_forward, token_logprobs_from_logits
 from megatron_gspo.training.config import RunConfig
 from megatron_gspo.training.engine import forward_backward
 from megatron_gspo.training.evaluate import evaluate
@@ -22,18 +22,39 @@ from megatron_gspo.training.runtime import Runtime
 log = logging.getLogger(__name__)
 
 
-def _sft_batch(rt: Runtime, items) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, S+1] (prompt + answer + eos, right-padded) and a loss mask over answer + eos labels [B, S]."""
+def _sft_batch(rt: Runtime, items) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the model's device: tokens [B, S+1] (prompt + answer + eos, right-padded), a loss mask over answer + eos
+    labels [B, S] and the input lengths [B] (real tokens fed for a prediction; the rest is padding)."""
     s = rt.seq_len
     tokens = torch.full((len(items), s + 1), rt.tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros((len(items), s), dtype=torch.bool)
+    lens = torch.zeros(len(items), dtype=torch.long)
     for i, it in enumerate(items):
         prompt = rt.encode_prompt(it.prompt)
         answer = rt.tokenizer.encode(it.answer) + [rt.tokenizer.eos_id]
         seq = (prompt + answer)[: s + 1]
         tokens[i, : len(seq)] = torch.tensor(seq)
         mask[i, len(prompt) - 1 : len(seq) - 1] = True
-    return tokens, mask
+        lens[i] = len(seq) - 1
+    # Built on the host, moved to the model's device once.
+    return tokens.to(rt.device), mask.to(rt.device), lens.to(rt.device)
+
+
+def sft_forward_step(vocab_size: int):
+    """The forward step of one SFT micro-batch (tokens, loss mask, input lengths): the summed negative
+    log-likelihood of the answer tokens, with the token count as megatron's loss unit (token-mean cross-entropy)."""
+
+    def fwd(mb, model):
+        toks, m, lens = mb
+        out = model_forward(model, toks, lens)
+
+        def reduce(logits):
+            lp = token_logprobs_from_logits(logits, toks[:, 1:], m, vocab_size, 1.0)
+            return -lp.token_logprobs.sum(), m.sum().to(torch.int), {}
+
+        return out, reduce
+
+    return fwd
 
 
 def sft_runtime(cfg: RunConfig) -> Runtime:
@@ -61,25 +82,12 @@ def sft_loop(rt: Runtime) -> dict:
     """The SFT steps on an existing Runtime; returns {sft_steps, sft_accuracy, sft_seconds}."""
     cfg, s = rt.cfg, rt.cfg.sft
     sampler = PromptSampler(rt.train_data, s.batch_size, seed=cfg.data.seed + 17)
-    vocab = rt.model_config.vocab_size
-    positions = torch.arange(rt.seq_len).unsqueeze(0)
+    fwd = sft_forward_step(rt.model_config.vocab_size)
     mbs = min(cfg.trainer.micro_batch_size, s.batch_size // rt.dp.size)
     start, step, acc = time.time(), 0, 0.0
     for step in range(1, s.max_steps + 1):
-        tokens, mask = _sft_batch(rt, rt.shard(next(sampler)))
-        micro = list(zip(tokens.split(mbs), mask.split(mbs)))
-
-        def fwd(mb, model):
-            toks, m = mb
-            out = model(toks[:, :-1], positions.expand(toks.shape[0], -1), None)
-
-            def reduce(logits):
-                lp = token_logprobs_from_logits(logits, toks[:, 1:], m, vocab, 1.0)
-                loss = -lp.token_logprobs.sum()
-                return loss, m.sum().to(torch.int), {}
-
-            return out, reduce
-
+        tokens, mask, lens = _sft_batch(rt, rt.shard(next(sampler)))
+        micro = list(zip(tokens.split(mbs), mask.split(mbs), lens.split(mbs)))
         forward_backward(rt.chunks, micro, fwd, seq_length=rt.seq_len, micro_batch_size=mbs,
                          units_of=lambda mb: int(mb[1].sum()))
         ok, grad_norm, _ = rt.optimizer.step()

@@ -25,6 +25,8 @@ from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.batch import (
     RolloutBatch,
+    minibatch_group_order,
+    model_forward,
     pack_rollouts,
     policy_forward_step,
     policy_units,
@@ -119,45 +121,77 @@ class GSPOTrainer:
         return group_advantages(rewards, self.cfg.rollout.group_size)
 
     def collect(self, step_seed: int) -> tuple[RolloutBatch, dict]:
-        """generate -> score -> advantages, with dynamic sampling (drop zero-variance groups, top up)."""
+        """generate -> score -> advantages, with dynamic sampling (drop zero-variance groups, top up).
+
+        Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
+        and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
+        sampler, so no prompt is used twice or skipped and every rank's sampler stays the checkpointed one.
+        """
         r, g = self.cfg.rollout, self.cfg.rollout.group_size
-        items = self.rt.shard(next(self.sampler))
-        want = len(items)
-        rollouts = self.generate(items, step_seed)
-        rewards = self.score(items, rollouts)
-        groups = [(items[i], rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g]) for i in range(want)]
-        dropped = 0
-        if r.dynamic_sampling:
-            informative = [x for x in groups if x[2].max() > x[2].min()]
-            flat = [x for x in groups if not x[2].max() > x[2].min()]
-            dropped = len(flat)
-            rounds = 0
-            while len(informative) < want and rounds < r.max_topup_rounds:
-                rounds += 1
-                extra = self.sampler.next_items(want - len(informative))
-                ro = self.generate(extra, step_seed + 7919 * rounds)
-                rw = self.score(extra, ro)
-                for i, it in enumerate(extra):
-                    grp = (it, ro[i * g : (i + 1) * g], rw[i * g : (i + 1) * g])
+        extra = self.rt.shard(next(self.sampler))
+        want = len(extra)
+        informative, flat = [], []
+        errors, rounds = 0.0, 0
+        while True:
+            if extra:
+                rollouts = self.generate(extra, step_seed + 7919 * rounds)
+                rewards = self.score(extra, rollouts)
+                errors += float(self.scorer.last_metrics.get("reward_errors", 0.0))
+                for i, item in enumerate(extra):
+                    grp = (item, rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g])
                     (informative if grp[2].max() > grp[2].min() else flat).append(grp)
-            # Every data-parallel rank keeps exactly `want` groups so micro-batch counts match across ranks;
-            # flat groups that fill the gap have zero advantage and contribute no gradient.
-            groups = (informative + flat)[:want]
-        items = [x[0] for x in groups]
+            if not r.dynamic_sampling or rounds == r.max_topup_rounds:
+                break
+            needs = self._topup_needs(want - len(informative))
+            if not any(needs):
+                break
+            rounds += 1
+            extra = self._topup_items(needs)
+        # Every data-parallel rank keeps exactly `want` groups so micro-batch counts match across ranks; flat groups
+        # that fill the gap (all of them without dynamic sampling) have zero advantage and contribute no gradient.
+        fill = want - len(informative)
+        groups = informative + flat[:fill]
+        # Minibatches of whole groups in a seeded order (the same on every rank), the informative groups dealt
+        # evenly: no minibatch is left with only zero-advantage groups while informative ones remain.
+        order = minibatch_group_order(len(informative), want, self.cfg.trainer.minibatches,
+                                      seed=(self.cfg.trainer.seed & (2**63 - 1), self.step))
+        groups = [groups[i] for i in order]
         rollouts = [ro for x in groups for ro in x[1]]
         rewards = torch.cat([x[2] for x in groups])
         adv = self.advantages(rewards)
-        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv)
+        # The one host -> device move of the rollout batch: every forward, loss and collective below uses it.
+        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv).to(self.rt.device)
         lens = batch.response_lens_N.float()
         stats = {
             "reward_mean": rewards.mean().item(),
             "accuracy": (rewards > 0.5).float().mean().item(),
             "response_length": lens.mean().item(),
             "finish_stop_frac": sum(ro.finish_reason == "stop" for ro in rollouts) / len(rollouts),
-            "groups_dropped": float(dropped),
-            "reward_errors": float(self.scorer.last_metrics.get("reward_errors", 0.0)),
+            # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics):
+            # zero-variance groups left out, zero-variance groups trained on (zero advantage), reward errors.
+            "groups_dropped": float(len(flat) - fill),
+            "groups_zero_variance_kept": float(fill),
+            "reward_errors": errors,
+            "topup_rounds": float(rounds),
         }
         return batch, stats
+
+    def _topup_needs(self, need: int) -> list[int]:
+        """How many groups each data-parallel rank lacks, in rank order, identical on every rank."""
+        if self.rt.dp.size == 1:
+            return [need]
+        from megatron.core import parallel_state as ps
+
+        mine = torch.tensor([need], dtype=torch.long, device=self.rt.device)
+        every = torch.empty(self.rt.dp.size, dtype=torch.long, device=self.rt.device)
+        dist.all_gather_into_tensor(every, mine, group=ps.get_data_parallel_group())
+        return every.tolist()
+
+    def _topup_items(self, needs: list[int]) -> list[PromptItem]:
+        """This rank's slice of the next sum(needs) prompts of the global sampler (every rank draws them all)."""
+        drawn = self.sampler.next_items(sum(needs))
+        start = sum(needs[: self.rt.dp.rank])
+        return drawn[start : start + needs[self.rt.dp.rank]]
 
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4)."""
@@ -181,7 +215,8 @@ class GSPOTrainer:
             batch.advantages_N = batch.advantages_N * weights
         elif self.cfg.rollout.correction.level == "token":
             batch.extra["token_weights_NS"] = weights
-        return {(k if k.startswith("mismatch") else f"mismatch_{k}"): float(v) for k, v in metrics.items()}
+        # This replica's share; reduce_step_metrics combines the replicas' shares (and names them mismatch_*).
+        return {k: float(v) for k, v in metrics.items()}
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -189,12 +224,11 @@ class GSPOTrainer:
         mbs = min(self.cfg.trainer.micro_batch_size, batch.num_sequences)
         micro = batch.split(batch.num_sequences // mbs)
         vocab, temp = self.rt.model_config.vocab_size, self.cfg.rollout.temperature
-        positions = torch.arange(self.rt.seq_len).unsqueeze(0)
 
         def fwd(mb: RolloutBatch, model):
-            ids, labels = mb.tokens_NL[:, :-1], mb.tokens_NL[:, 1:]
+            labels = mb.tokens_NL[:, 1:]
             self.routing.before_forward(mb)
-            out = model(ids, positions.expand(ids.shape[0], -1), None)
+            out = model_forward(model, mb.tokens_NL, mb.input_lens_N)
 
             def reduce(logits):
                 lp = token_logprobs_from_logits(logits, labels, mb.loss_mask_NS, vocab, temp)
@@ -211,7 +245,8 @@ class GSPOTrainer:
         finally:
             for m in self.rt.chunks:
                 m.train()
-        result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32)
+        # Non-last stages receive the result into a buffer on the device (the broadcast is an NCCL collective).
+        result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32, device=self.rt.device)
         if is_last_stage():
             result = torch.cat([o["token_logprobs"] for o in outs], dim=0)
         return broadcast_from_last_stage(result.contiguous())
@@ -228,7 +263,7 @@ class GSPOTrainer:
             mbs = min(t.micro_batch_size, minibatch.num_sequences)
             micro = minibatch.split(minibatch.num_sequences // mbs)
 
-            fwd = policy_forward_step(loss_fn, vocab, temp, self.rt.seq_len, self.routing.before_forward)
+            fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward)
             with self.routing.training_pass():
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=self.rt.seq_len, micro_batch_size=mbs,
                                          units_of=policy_units(loss_fn))
@@ -265,13 +300,14 @@ class GSPOTrainer:
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""
-        bad = torch.zeros(1)
+        # One flag on the device for all gradients (an all-reduce over NCCL, and one host sync instead of one per
+        # parameter).
+        bad = torch.zeros((), device=self.rt.device)
         for model in self.rt.models:
             for p in model.parameters():
                 grad = getattr(p, "main_grad", None)
-                if grad is not None and not torch.isfinite(grad).all():
-                    bad.fill_(1.0)
-                    break
+                if grad is not None:
+                    bad = torch.maximum(bad, (~torch.isfinite(grad)).any().to(bad.dtype))
         if dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():

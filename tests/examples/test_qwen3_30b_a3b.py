@@ -14,7 +14,7 @@ from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.planning.cli import plan_main, read_config
 from megatron_gspo.planning.layouts import Cluster, plan_layout
 from megatron_gspo.planning.memory import GiB, Workload, estimate_stage_memory
-from megatron_gspo.rollout.sglang_config import SGLangConfig
+from megatron_gspo.rollout.sglang.config import SGLangConfig
 from megatron_gspo.training.config import load_run_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.rollout.sglang_config import SGLangConfig
+from megatron_gspo.rollout.sglang.config import SGLangConfig
 from megatron_gspo.training.config import load_run_config
 from tests.launch.test_scripts import FOUR_NODES, flag, slurm  # noqa: F401  (slurm is a fixture)
 

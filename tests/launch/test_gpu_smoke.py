@@ -13,7 +13,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
-    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "train-no-te", "train-2gpu", "sglang-sft",
+    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "train-no-te", "train-2gpu", "device-1gpu",
+    "device-2gpu", "sglang-sft",
     "sglang-hf", "sglang-rl",
 )
 
@@ -32,6 +33,11 @@ elif args[:2] == ["-m", "pytest"]:
     print("2 passed in 3.0s")
 elif args and args[0].endswith("bench_logprob.py"):
     print("| fused | failed: RuntimeError: boom |" if fail == "bench" else "| fused | 0.1 | 0.2 |")
+elif any(a.endswith("gpu_device_check.py") for a in args):
+    if fail == "device":
+        print("device check: FAILED (1 host inputs)")
+        sys.exit(1)
+    print("device check: OK (12 model forwards on cuda:0)")
 elif "megatron_gspo.cli.main" in args or (args[:1] == ["-c"] and "megatron_gspo.cli.main" in args[1]):
     cli = args[2:] if args[0] == "-c" else args[args.index("megatron_gspo.cli.main") + 1:]
     cmd = cli[0]
@@ -114,8 +120,10 @@ def test_one_gpu_all_parts(smoke, tmp_path):
                GPU_SMOKE_DIR=str(work))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = _table(proc.stdout)
-    assert table == {**{p: "PASS" for p in PARTS}, "install": "SKIP", "train-2gpu": "SKIP"}
+    assert table == {**{p: "PASS" for p in PARTS}, "install": "SKIP", "train-2gpu": "SKIP", "device-2gpu": "SKIP"}
     assert "needs >= 2 GPUs (found 1)" in proc.stdout
+    launched = next(line for line in proc.stdout.splitlines() if line.startswith("== device-1gpu"))
+    assert "tools/gpu_device_check.py" in launched and "model.dtype=bf16" in launched
     # One GPU: the server shares it, so weights go through the disk.
     assert (work / "sglang-rl" / "metrics.jsonl").read_text().count("\n") == 2
     launched = next(line for line in proc.stdout.splitlines() if line.startswith("== sglang-rl"))
@@ -138,6 +146,9 @@ def test_failures_and_missing_sglang(smoke, tmp_path):
     assert proc.returncode == 1
     table = _table(proc.stdout)
     assert table["bench"] == "FAIL" and table["train-1gpu"] == "PASS" and table["train-2gpu"] == "PASS"
+    assert table["device-1gpu"] == "PASS" and table["device-2gpu"] == "PASS"
+    launched = next(line for line in proc.stdout.splitlines() if line.startswith("== device-2gpu"))
+    assert "--nproc-per-node=2" in launched and "parallel.tp=2" in launched
     assert "| failed: RuntimeError: boom" in proc.stdout
     assert all(table[p] == "SKIP" for p in ("sglang-sft", "sglang-hf", "sglang-rl"))
     assert "SGLANG_PYTHON is not set" in proc.stdout
@@ -162,3 +173,14 @@ def test_no_te_part_fails_when_the_run_fails(smoke, tmp_path):
     assert proc.returncode == 1
     table = _table(proc.stdout)
     assert table["train-no-te"] == "FAIL" and table["train-1gpu"] == "PASS" and table["bf16-load"] == "PASS"
+
+
+def test_device_check_failure_fails_its_part(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="device", GPUS_STUB="2",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 1
+    table = _table(proc.stdout)
+    assert table["device-1gpu"] == "FAIL" and table["device-2gpu"] == "FAIL" and table["train-1gpu"] == "PASS"
+    assert "device check: FAILED" in proc.stdout and "gpu_smoke: FAILED" in proc.stdout

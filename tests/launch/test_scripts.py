@@ -454,7 +454,7 @@ def test_overrides_are_valid_run_config_keys(slurm):
     """What the scripts append after --config is accepted by the run-config loader and the SGLang config."""
     from megatron_gspo.training.config import load_run_config
 
-    SGLangConfig = pytest.importorskip("megatron_gspo.rollout.sglang_config").SGLangConfig
+    SGLangConfig = pytest.importorskip("megatron_gspo.rollout.sglang.config").SGLangConfig
 
     r = slurm("train.sbatch", CONFIG="c.yaml", ROLLOUT_MODE="colocated", ROUTING_REPLAY="r3", SGLANG_MODEL_PATH="/m",
               SGLANG_ROUTER="0", **dict(FOUR_NODES, SLURM_JOB_NODELIST="a", SLURM_NNODES="1"))

@@ -54,7 +54,7 @@ def aux_gradients(cases: list[tuple[str, int]], identical_rows: bool = False) ->
             for algorithm, mbs in cases:
                 loss_fn = _algorithm(algorithm)
                 captured.clear()
-                forward_backward(chunks, batch.split(N // mbs), policy_forward_step(loss_fn, cfg.vocab_size, 1.0, SEQ),
+                forward_backward(chunks, batch.split(N // mbs), policy_forward_step(loss_fn, cfg.vocab_size, 1.0),
                                  seq_length=SEQ, micro_batch_size=mbs, units_of=policy_units(loss_fn))
                 grads[(coef, algorithm, mbs)] = {
                     n: p.main_grad.detach().clone() for n, p in model.named_parameters() if "router" in n

@@ -86,7 +86,7 @@ def policy_grads(layout: dict, cases: list[tuple[str, int, float]]) -> dict:
                 if outs:
                     local.old_logprobs_NS = torch.cat([o["lp"] for o in outs]) + local.old_logprobs_NS
                 micro = local.split(local.num_sequences // micro_batch_size)
-                parts = forward_backward(chunks, micro, policy_forward_step(loss_fn, cfg.vocab_size, 1.0, SEQ),
+                parts = forward_backward(chunks, micro, policy_forward_step(loss_fn, cfg.vocab_size, 1.0),
                                          seq_length=SEQ, micro_batch_size=micro_batch_size,
                                          units_of=policy_units(loss_fn))
                 metrics = {k: float(v) for k, v in combine_metrics(parts).items()} if parts else None

@@ -45,7 +45,9 @@ def _train(run_dir, extra=(), nproc=1, resume=False, popen=False):
     if resume:
         cmd.append("--resume")
     if popen:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # A session of its own: SIGKILL to the process group takes torchrun's workers down with it.
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
@@ -102,32 +104,47 @@ def test_bf16_run_with_load_balancing_loss(tmp_path):
     assert info["dtype"] == "bfloat16"
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_exactly(tmp_path):
-    steps = ["trainer.steps=4", "trainer.ckpt_every=1", "trainer.save_final=false"]
-    _train(tmp_path / "full", steps)
+def _kill_and_resume(tmp_path, steps: list[str], last: int, kill_at: int, nproc: int = 1) -> None:
+    """A run killed (SIGKILL, every process) once checkpoint `kill_at` exists, resumed with --resume, logs the
+    same metrics as an uninterrupted run for every step after its last checkpoint."""
+    _train(tmp_path / "full", steps, nproc=nproc)
     full = _rows(tmp_path / "full")
 
-    proc = _train(tmp_path / "killed", steps, popen=True)
+    proc = _train(tmp_path / "killed", steps, nproc=nproc, popen=True)
     latest = tmp_path / "killed" / "checkpoints" / "latest"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == "iter_0000002":
+        if latest.is_file() and latest.read_text().strip() == f"iter_{kill_at:07d}":
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be killed: " + proc.stdout.read()[-2000:]
-    os.kill(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     resumed_from = int(latest.read_text().strip().split("_")[1])
-    assert resumed_from < 4
-    _train(tmp_path / "killed", steps, resume=True)
+    assert resumed_from < last
+    _train(tmp_path / "killed", steps, nproc=nproc, resume=True)
     again = _rows(tmp_path / "killed")
-    assert sorted(again) == [1, 2, 3, 4]
-    for step in range(resumed_from + 1, 5):
+    assert sorted(again) == list(range(1, last + 1))
+    for step in range(resumed_from + 1, last + 1):
         for key, value in full[step].items():
             if key.startswith(VOLATILE):
                 continue
             assert again[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(tmp_path):
+    _kill_and_resume(tmp_path, ["trainer.steps=4", "trainer.ckpt_every=1", "trainer.save_final=false"], 4, 2)
+
+
+@pytest.mark.slow
+def test_killed_data_parallel_dynamic_sampling_run_resumes_exactly(tmp_path):
+    """DP=2 with top-ups: the sampler position (global, the same on both ranks) and each rank's state resume."""
+    steps = ["trainer.steps=3", "trainer.ckpt_every=1", "trainer.save_final=false", "rollout.dynamic_sampling=true",
+             "data.reward=tests.training.rewards:contains_one", "eval.max_prompts=4", "eval.n=1"]
+    _kill_and_resume(tmp_path, steps, 3, 1, nproc=2)
+    rows = _rows(tmp_path / "full")
+    assert sum(r["topup_rounds"] for r in rows.values()) > 0, "no top-up: the resume of the sampler is untested"
 
 
 @pytest.mark.slow

@@ -60,3 +60,12 @@ def test_missing_file_is_named(tmp_path):
 def test_context_parallelism_is_refused():
     with pytest.raises(ValueError, match=r"parallel\.cp=2 is not supported: context parallelism is not implemented"):
         load_run_config(EXAMPLE, ["parallel.cp=2"])
+
+
+def test_token_level_correction_is_refused_for_the_sequence_level_gspo_loss():
+    """GSPO's loss reads only per-sequence log-prob sums: token weights would be ignored without a word."""
+    with pytest.raises(ValueError, match=r"rollout\.correction\.level=token has no effect with loss\.algorithm=gspo"):
+        load_run_config(EXAMPLE, ["rollout.correction.level=token"])
+    for algorithm in ("gspo_token", "grpo"):  # token-level losses take the weights
+        assert load_run_config(EXAMPLE, [f"loss.algorithm={algorithm}", "rollout.correction.level=token"])
+    assert load_run_config(EXAMPLE, ["rollout.correction.level=sequence"]).rollout.correction.level == "sequence"

@@ -1,0 +1,460 @@
+"""The part of a `RolloutEngine` over HTTP servers that SGLang and vLLM share (REFERENCE.md §4, §9).
+
+The trainer never imports the server's package (§6): servers are started from their own environment (launch
+mode) or used as they run (attach mode), and spoken to over HTTP. A subclass supplies the protocol: the command
+line, the request body and its decoding, aborts, and how weights get into the servers (`_push`).
+
+    engine = VLLMEngine(VLLMConfig(model_path=...), exporter=iter_hf_tensors)
+    rollouts = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))  # grouped per prompt
+    engine.update_weights(model_chunks, version=step)                             # after each optimizer step
+    engine.close()
+
+`generate` is synchronous: it runs the engine's private event loop until every sample is back. Each of the n
+samples of a prompt is its own request (its own seed, derived from `sampling.seed`, the sample's index and the
+data-parallel rank; retried on its own) and all of them go to the same server (its prefix cache holds the prompt).
+A sample is retried on connection errors, 5xx, malformed JSON, abort, or weights older than `weight_version`;
+after `max_retries` the whole call raises: it never returns fewer rollouts than asked for.
+
+With a `ReplicaGroup` (server/replicas.py), only one rank of each model replica (its TP x PP ranks) talks to the
+servers; it broadcasts the rollouts to the others, so every rank of a replica trains on the same samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from megatron_gspo.rollout.server.buckets import NamedTensor
+from megatron_gspo.rollout.server.client import HTTPClient, backoff_delay
+from megatron_gspo.rollout.server.concurrency import gather_or_cancel
+from megatron_gspo.rollout.server.config import ServerConfig
+from megatron_gspo.rollout.server.errors import (
+    GenerateError,
+    ServerConnectionError,
+    ServerError,
+    ServerHTTPError,
+    StaleWeightsError,
+    parse_json_body,
+)
+from megatron_gspo.rollout.server.process import ManagedProcess, ProcessSupervisor, port_in_use
+from megatron_gspo.rollout.server.replicas import ReplicaGroup
+from megatron_gspo.rollout.server.seeds import derive_sampling_seed
+from megatron_gspo.rollout.types import Rollout, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Exporter = Callable[[list], Iterable[NamedTensor] | Mapping[str, Any]]
+"""model chunks -> (HF name, full tensor) pairs, streamed (models.hf_state.iter_hf_tensors) or a dict."""
+
+T = TypeVar("T")
+
+
+class ServerEngine:
+    """RolloutEngine backed by HTTP servers (launched here or attached to); see the module docstring."""
+
+    kind: ClassVar[str] = "rollout"
+    """Names the engine in messages ('SGLang', 'vLLM')."""
+    health_path: ClassVar[str] = "/health"
+    """GET path that answers 200 once a server can generate."""
+    generate_path: ClassVar[str] = "/generate"
+    """POST path of one generation request."""
+    abort_timeout_s: ClassVar[float] = 2.0
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        exporter: Exporter | None = None,
+        *,
+        initial_version: int = 0,
+        leader: bool = True,
+        barrier: Callable[[], None] | None = None,
+        replica: ReplicaGroup | None = None,
+    ):
+        """Starts (launch mode) or checks (attach mode) the servers and waits until all are healthy.
+
+        `exporter` turns the trainer's model chunks into named HF tensors for `update_weights`;
+        `initial_version` is the version of the weights the servers hold at start (e.g. a resumed step).
+        A follower (`leader=False`, attach mode: the leader's URLs) only generates; its `update_weights` runs the
+        exporter for its collectives. `barrier` (all trainer ranks) ends every `update_weights`. `replica`: this
+        rank's model replica, whose one source rank generates for all (None: this rank generates for itself).
+        """
+        if not leader and config.mode != "attach":
+            raise ValueError(
+                f"a follower {type(self).__name__} attaches to the leader's servers ({config.section}.mode=attach)"
+            )
+        self.config = config
+        self.leader = leader
+        self.replica = replica
+        self._barrier = barrier
+        self.weight_version = int(initial_version)
+        self._exporter = exporter
+        self._weights_ok = True
+        self._failed_version: int | None = None
+        self._loop = asyncio.new_event_loop()
+        self._client = HTTPClient(
+            timeout_s=config.request_timeout_s,
+            max_retries=config.max_retries,
+            backoff_s=config.backoff_s,
+            max_connections=config.max_concurrency,
+            kind=self.kind,
+        )
+        self._supervisor: ProcessSupervisor | None = None
+        self._process_of: dict[str, ManagedProcess] = {}
+        self._inflight: dict[str, str] = {}
+        self._run_id = uuid.uuid4().hex[:8]
+        self._calls = 0
+        self._closed = False
+        self.server_urls: list[str] = []
+        """Every server (weight sync and health go to each)."""
+        self.generate_urls: list[str] = []
+        """Where generation requests go: a router when there is one, else the servers."""
+        try:
+            if config.mode == "launch":
+                self._launch()
+            else:
+                self._attach()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def follower_config(
+        cls, cfg: ServerConfig, server_urls: list[str], generate_urls: list[str]
+    ) -> ServerConfig:
+        """The attach-mode config of a non-leader rank, from the URLs the leader shares."""
+        import dataclasses
+
+        return dataclasses.replace(cfg, mode="attach", urls=server_urls)
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    def server_command(self, index: int) -> list[str]:
+        """Command line of launched server `index` (the protocol's subclass)."""
+        raise NotImplementedError
+
+    def server_env(self, index: int) -> dict[str, str]:
+        """Environment of launched server `index` on top of the trainer's (default: `server_env`)."""
+        return dict(self.config.server_env)
+
+    def _launch_ports(self) -> list[tuple[str, int]]:
+        """(what, port) of every process this engine will start."""
+        return [
+            (f"{self.kind} server {i}", self.config.server_port(i)) for i in range(self.config.num_servers)
+        ]
+
+    def _launch(self) -> None:
+        cfg = self.config
+        for what, port in self._launch_ports():
+            if port_in_use(cfg.host, port):
+                raise RuntimeError(
+                    f"port {port} for {what} is already in use (a server left from an earlier run?); "
+                    f"stop it or choose another {cfg.section}.port_base"
+                )
+        self._supervisor = ProcessSupervisor(cfg.stop_grace_s)
+        for i in range(cfg.num_servers):
+            url = cfg.server_url(i)
+            self._process_of[url] = self._start_process(
+                f"{self.kind} server {i}",
+                self.server_command(i),
+                self.server_env(i),
+                f"{self.kind.lower()}_server_{i}.log",
+            )
+            self.server_urls.append(url)
+        self._run(gather_or_cancel(*(self._healthy(url, self.health_path) for url in self.server_urls)))
+        self.generate_urls = list(self.server_urls)
+
+    def _start_process(
+        self, name: str, command: list[str], env: dict[str, str], log_name: str
+    ) -> ManagedProcess:
+        assert self._supervisor is not None
+        log_dir = Path(self.config.log_dir) if self.config.log_dir else None
+        return self._supervisor.start(
+            name, command, env=env, log_path=log_dir / log_name if log_dir else None
+        )
+
+    def _attach(self) -> None:
+        self.server_urls = list(self.config.urls)
+        self.generate_urls = list(self.config.urls)
+        if self.leader:  # followers use the servers the leader checked
+            self._run(gather_or_cancel(*(self._healthy(url, self.health_path) for url in self.server_urls)))
+
+    async def _healthy(self, url: str, path: str) -> None:
+        proc = self._process_of.get(url)
+        await self._client.wait_until_healthy(
+            url,
+            path=path,
+            timeout_s=self.config.startup_timeout_s,
+            poll_s=min(0.5, max(0.01, self.config.backoff_s)),
+            check_alive=proc.exit_message if proc else None,
+        )
+
+    async def _release(self) -> None:
+        """Protocol-specific clean-up at close (e.g. leaving a weight-update group); default: nothing."""
+
+    def close(self) -> None:
+        """Aborts running requests, releases protocol state, stops the servers started here (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._loop.is_running():
+                if self._inflight:
+                    self._loop.run_until_complete(self._abort_inflight())
+                self._loop.run_until_complete(self._release())
+                self._loop.run_until_complete(self._client.close())
+        finally:
+            if self._supervisor is not None:
+                self._supervisor.close()
+            if not self._loop.is_running():
+                self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` on the private loop; on an interrupt (e.g. Ctrl-C) it is cancelled, then re-raised."""
+        if self._loop.is_running():
+            raise RuntimeError(f"{type(self).__name__} methods are synchronous and not re-entrant")
+        task = self._loop.create_task(coro)
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+            raise
+
+    # --------------------------------------------------------------------------------------------- generation
+
+    def build_request(
+        self, prompt: list[int], sampling: SamplingParams, *, rid: str, seed: int | None
+    ) -> dict[str, Any]:
+        """JSON body of one request: one sample of one prompt (the protocol's subclass)."""
+        raise NotImplementedError
+
+    def decode_response(self, body: Any, *, url: str, prompt: list[int], prompt_index: int) -> Rollout:
+        """One response body -> Rollout (the protocol's subclass); raises ServerResponseError on bad shapes."""
+        raise NotImplementedError
+
+    def abort_requests(self, requests: dict[str, str]) -> list[Coroutine[Any, Any, Any]]:
+        """Calls that abort these requests (request id -> URL it went to) on the servers (the subclass)."""
+        raise NotImplementedError
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        """`sampling.n` rollouts per prompt, grouped contiguously in prompt order (`prompt_index` set)."""
+        self._check_open()
+        for i, prompt in enumerate(prompts):
+            if not prompt or not all(type(t) is int and t >= 0 for t in prompt):
+                raise ValueError(f"prompt {i} must be a non-empty list of token ids (ints >= 0)")
+        if self.replica is not None:
+            return self.replica.share(lambda: self._generate_here(prompts, sampling))
+        return self._generate_here(prompts, sampling)
+
+    def _generate_here(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        if not self._weights_ok:
+            raise ServerError(
+                f"the weight sync to version {self._failed_version} failed, so the {self.kind} servers hold "
+                "unknown weights; call update_weights again before generating"
+            )
+        if not prompts:
+            return []
+        self._calls += 1
+        try:
+            return self._run(self._generate(prompts, sampling))
+        except BaseException:
+            if self._inflight and not self._loop.is_closed():
+                self._run(self._abort_inflight())
+            raise
+
+    async def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        limit = asyncio.Semaphore(self.config.max_concurrency)
+        rollouts = await gather_or_cancel(
+            *(
+                self._sample(limit, p, s, prompt, sampling)
+                for p, prompt in enumerate(prompts)
+                for s in range(sampling.n)
+            )
+        )
+        await self._after_generate(rollouts)
+        return rollouts
+
+    async def _after_generate(self, rollouts: list[Rollout]) -> None:
+        """Protocol step once every sample is back (e.g. fetching recorded routes); default: nothing."""
+
+    def _live_urls(self) -> list[str]:
+        procs = self._process_of
+        live = [u for u in self.generate_urls if u not in procs or procs[u].popen.poll() is None]
+        if not live:
+            deaths = "; ".join(filter(None, (self._process_of[u].exit_message() for u in self.generate_urls)))
+            raise GenerateError(f"every {self.kind} server has exited: {deaths}")
+        return live
+
+    def _pick_url(self, prompt_index: int, attempt: int, excluded: set[str]) -> str:
+        live = self._live_urls()
+        usable = [u for u in live if u not in excluded] or live
+        return usable[(prompt_index + attempt) % len(usable)]
+
+    def sample_seed(self, sampling: SamplingParams, index: int) -> int | None:
+        """Seed of request `index` of this call: the call's seed, the index and this replica's DP rank mixed."""
+        if sampling.seed is None:
+            return None
+        stream = self.replica.dp_rank if self.replica is not None else 0
+        return derive_sampling_seed(sampling.seed, index, stream=stream)
+
+    async def _sample(
+        self, limit: asyncio.Semaphore, p: int, s: int, prompt: list[int], sampling: SamplingParams
+    ) -> Rollout:
+        """One rollout of prompt `p` (sample `s`), retried up to max_retries times."""
+        cfg = self.config
+        seed = self.sample_seed(sampling, p * sampling.n + s)
+        excluded: set[str] = set()
+        last_error: object = None
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                delay = backoff_delay(cfg.backoff_s, attempt - 1)
+                logger.warning("prompt %d sample %d: %s; retry %d in %.2fs", p, s, last_error, attempt, delay)
+                await asyncio.sleep(delay)
+            url = self._pick_url(p, attempt, excluded)
+            rid = f"{self._run_id}-{self._calls}-{p}-{s}-{attempt}"
+            payload = self.build_request(prompt, sampling, rid=rid, seed=seed)
+            try:
+                async with limit:
+                    body = await self._post_generate(url, rid, payload)
+                rollout = self.decode_response(body, url=url, prompt=prompt, prompt_index=p)
+            except ServerError as e:
+                if not e.retryable:
+                    raise GenerateError(f"prompt {p} sample {s}: {e}") from e
+                if isinstance(e, ServerConnectionError):
+                    excluded.add(url)  # try another server next (all of them again once each failed)
+                last_error = e
+                continue
+            if rollout.finish_reason == "abort":
+                last_error = f"server {url} aborted the request: {rollout.extra.get('abort_reason')}"
+                continue
+            if rollout.weight_version < self.weight_version:
+                last_error = StaleWeightsError(
+                    f"server {url} sampled with weight_version {rollout.weight_version}, "
+                    f"but the engine is at {self.weight_version}"
+                )
+                continue
+            if rollout.weight_version > self.weight_version:
+                raise GenerateError(
+                    f"server {url} reports weight_version {rollout.weight_version}, newer than this engine's "
+                    f"{self.weight_version}: is another trainer updating it?"
+                )
+            rollout.extra.pop("abort_reason", None)
+            rollout.extra.update(rid=rid, attempts=attempt + 1, sampling_seed=seed)
+            return rollout
+        error = StaleWeightsError if isinstance(last_error, StaleWeightsError) else GenerateError
+        raise error(
+            f"prompt {p} sample {s}: no rollout after {cfg.max_retries + 1} attempt(s) "
+            f"({cfg.section}.max_retries={cfg.max_retries}); last error: {last_error}"
+        )
+
+    async def _post_generate(self, url: str, rid: str, payload: dict) -> Any:
+        path = self.generate_path
+        self._inflight[rid] = url  # kept on cancellation, so that close()/errors abort it on the server
+        try:
+            status, raw = await self._client.request_once(url, path, payload)
+        except ServerConnectionError as e:
+            self._inflight.pop(rid, None)
+            if e.timed_out:  # the server may still be generating it
+                await self._abort({rid: url})
+            raise
+        self._inflight.pop(rid, None)
+        if not 200 <= status < 300:
+            raise ServerHTTPError(url, path, status, raw.decode("utf-8", "replace"), kind=self.kind)
+        return parse_json_body(raw, url, path, kind=self.kind)
+
+    async def _abort_inflight(self) -> None:
+        inflight, self._inflight = dict(self._inflight), {}
+        await self._abort(inflight)
+
+    async def _abort(self, requests: dict[str, str]) -> None:
+        """Best-effort abort of each request id on the server it went to."""
+        results = await asyncio.gather(*self.abort_requests(requests), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("could not abort %d request(s): %s", len(failed), failed[0])
+
+    # -------------------------------------------------------------------------------------------- weight sync
+
+    def update_weights(self, model_chunks: list, version: int) -> None:
+        """Exports the model chunks with the exporter and pushes them to every server as `version`."""
+        self._check_open()
+        if self._exporter is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no exporter; build it with exporter=iter_hf_tensors"
+            )
+        self._check_version(version)  # before the exporter starts its collectives on every rank
+        named_tensors = self._exporter(model_chunks)
+        try:
+            if self.leader:
+                try:
+                    self.push_weights(named_tensors, version)
+                except Exception:
+                    drain(named_tensors)  # keep the other ranks' collectives matched before the barrier
+                    raise
+            else:
+                for _ in named_tensors:  # the exporter's collectives need every rank
+                    pass
+                self.weight_version = version
+        finally:
+            if self._barrier is not None:
+                self._barrier()
+
+    def _check_version(self, version: int) -> None:
+        if not isinstance(version, int) or version < self.weight_version:
+            raise ValueError(f"weight version {version!r} must be an int >= current {self.weight_version}")
+
+    def push_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
+        """Sends the tensors to every server as `version` (`_push`, the protocol); then `weight_version =
+        version`. On failure generation is refused until a sync succeeds."""
+        self._check_open()
+        if not self.leader:
+            raise RuntimeError(f"only the leader {type(self).__name__} (global rank 0) pushes weights")
+        self._check_version(version)
+        self._weights_ok = False
+        self._failed_version = version
+        try:
+            self._run(self._push(named_tensors, version))
+        except BaseException:
+            if not self._loop.is_closed():
+                self._run(self._after_failed_push())
+            raise
+        self.weight_version = version
+        self._weights_ok = True
+        self._failed_version = None
+
+    async def _push(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
+        """The protocol's weight update of every server (the subclass)."""
+        raise NotImplementedError
+
+    async def _after_failed_push(self) -> None:
+        """Protocol clean-up after a failed `_push` (e.g. drop a half-used NCCL group); default: nothing."""
+
+    async def _call_all(self, path: str, payload: Any = None, **kwargs: Any) -> list[Any]:
+        """The same call to every server, concurrently (retried as the client retries)."""
+        return await gather_or_cancel(
+            *(self._client.call(u, path, payload, **kwargs) for u in self.server_urls)
+        )
+
+
+def drain(items: Iterable[Any]) -> None:
+    """Runs an (exporter) iterable to its end, ignoring what it yields."""
+    try:
+        for _ in items:
+            pass
+    except Exception:  # noqa: BLE001 - the caller is already reporting the first error
+        logger.exception("weight exporter failed while draining after an error")

@@ -1,0 +1,231 @@
+"""Rollouts from SGLang servers: SGLang's native API (REFERENCE.md §4) on the shared server engine.
+
+    engine = SGLangEngine(SGLangConfig(model_path=..., num_servers=2), exporter=iter_hf_tensors)
+    rollouts = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))  # grouped per prompt
+    engine.update_weights(model_chunks, version=step)                             # after each optimizer step
+
+What SGLang adds to server/engine.py: its command lines and optional sglang-router (sglang/launch.py), the
+`/generate` bodies (sglang/protocol.py), `/abort_request`, and weight sync by NCCL broadcast or disk around
+`/pause_generation` ... `/flush_cache` ... `/continue_generation` (sglang/weight_sync.py); colocated servers
+release and resume their GPU memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+import socket
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_gspo.rollout.server.buckets import NamedTensor, iter_buckets
+from megatron_gspo.rollout.server.engine import Exporter, ServerEngine
+from megatron_gspo.rollout.server.errors import RETRYABLE_STATUSES, StaleWeightsError
+from megatron_gspo.rollout.server.errors import GenerateError as SGLangGenerateError
+from megatron_gspo.rollout.server.errors import ServerError as SGLangError
+from megatron_gspo.rollout.server.factory import make_server_engine
+from megatron_gspo.rollout.sglang.config import SGLangConfig
+from megatron_gspo.rollout.sglang.launch import router_command, router_url, server_command
+from megatron_gspo.rollout.sglang.protocol import (
+    KIND,
+    build_generate_payload,
+    decode_generate_response,
+)
+from megatron_gspo.rollout.sglang.weight_sync import (
+    GroupFactory,
+    UpdateGroup,
+    init_update_group,
+    join_update_group,
+    push_disk,
+    push_distributed,
+)
+from megatron_gspo.rollout.types import Rollout, SamplingParams
+
+__all__ = ["SGLangEngine", "SGLangError", "SGLangGenerateError", "StaleWeightsError", "make_sglang_engine"]
+
+
+class SGLangEngine(ServerEngine):
+    """RolloutEngine backed by SGLang servers (launched here or attached to)."""
+
+    kind = KIND
+    health_path = "/health_generate"
+    generate_path = "/generate"
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        exporter: Exporter | None = None,
+        *,
+        group_factory: GroupFactory = join_update_group,
+        **kwargs: Any,
+    ):
+        """See ServerEngine; `group_factory` joins the distributed weight-update group (replaced in tests)."""
+        self._group_factory = group_factory
+        self._group: UpdateGroup | None = None
+        self._disk_path: Path | None = None
+        self._routing = config.routing
+        super().__init__(config, exporter, **kwargs)
+
+    @classmethod
+    def follower_config(
+        cls, cfg: SGLangConfig, server_urls: list[str], generate_urls: list[str]
+    ) -> SGLangConfig:
+        router = generate_urls[0] if generate_urls != server_urls else None
+        return dataclasses.replace(cfg, mode="attach", urls=server_urls, router=False, router_url=router)
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    def server_command(self, index: int) -> list[str]:
+        return server_command(self.config, index)
+
+    def _launch_ports(self) -> list[tuple[str, int]]:
+        ports = super()._launch_ports()
+        return ports + ([("sglang-router", self.config.router_port)] if self.config.router else [])
+
+    def _launch(self) -> None:
+        super()._launch()
+        cfg = self.config
+        if cfg.router:
+            url = router_url(cfg)
+            self._process_of[url] = self._start_process(
+                "sglang-router",
+                router_command(cfg, self.server_urls),
+                dict(cfg.server_env),
+                "sglang_router.log",
+            )
+            self._run(self._healthy(url, "/health"))
+            self.generate_urls = [url]
+
+    def _attach(self) -> None:
+        super()._attach()
+        cfg = self.config
+        if cfg.router_url:
+            self.generate_urls = [cfg.router_url]
+            if self.leader:
+                self._run(self._healthy(cfg.router_url, "/health"))
+
+    async def _release(self) -> None:
+        if self._group is not None:  # attached servers must be able to join a later trainer's group
+            await self._drop_group()
+
+    # --------------------------------------------------------------------------------------------- generation
+
+    def build_request(
+        self, prompt: list[int], sampling: SamplingParams, *, rid: str, seed: int | None
+    ) -> dict:
+        return build_generate_payload(
+            prompt,
+            sampling,
+            rid=rid,
+            sampling_seed=seed,
+            return_routed_experts=self.config.return_routed_experts,
+        )
+
+    def decode_response(self, body: Any, *, url: str, prompt: list[int], prompt_index: int) -> Rollout:
+        return decode_generate_response(
+            body, url=url, prompt_ids=prompt, prompt_index=prompt_index, routing=self._routing
+        )
+
+    def abort_requests(self, requests: dict[str, str]) -> list:
+        """`/abort_request` per request id (to every server when a router hid where it went)."""
+        calls = []
+        for rid, url in requests.items():
+            targets = self.server_urls if url not in self.server_urls else [url]
+            payload = {"rid": rid, "abort_all": False}
+            calls += [
+                self._client.request(u, "/abort_request", payload, timeout_s=self.abort_timeout_s, retries=0)
+                for u in targets
+            ]
+        return calls
+
+    # -------------------------------------------------------------------------------------------- weight sync
+
+    async def _push(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
+        """Pauses generation, sends the tensors (bucketed, in order), flushes the cache, continues."""
+        cfg = self.config
+        urls = self.server_urls
+        await self._call_all("/pause_generation", {"mode": "abort"})
+        buckets = iter_buckets(named_tensors, cfg.bucket_bytes)
+        if cfg.weight_sync == "disk":
+
+            async def post_disk(url: str, path: str, payload: dict) -> Any:
+                return await self._client.call(url, path, payload, timeout_s=cfg.weight_sync_timeout_s)
+
+            directory = Path(cfg.weight_sync_dir or ".")
+            path = await push_disk(post_disk, urls, buckets, directory=directory, version=version)
+            if self._disk_path is not None and self._disk_path != path:
+                shutil.rmtree(self._disk_path, ignore_errors=True)
+            self._disk_path = path
+        else:
+            if self._group is None:
+                self._group = await init_update_group(
+                    self._post_once,
+                    urls,
+                    factory=self._group_factory,
+                    master_address=cfg.master_address,
+                    master_port=cfg.master_port or _free_port(),
+                    gpus_per_server=cfg.tp_size,
+                    group_name=cfg.group_name,
+                    backend=cfg.group_backend,
+                    timeout_s=cfg.weight_sync_timeout_s,
+                )
+            await push_distributed(
+                self._post_once, urls, buckets, group=self._group, group_name=cfg.group_name, version=version
+            )
+        await asyncio.gather(*(self._flush_cache(u) for u in urls))
+        await self._call_all("/continue_generation", {})
+
+    async def _after_failed_push(self) -> None:
+        if self._group is not None:
+            await self._drop_group()
+
+    async def _post_once(self, url: str, path: str, payload: dict) -> Any:
+        """Weight-update calls paired with collectives are never retried (the broadcasts would not match)."""
+        timeout_s = self.config.weight_sync_timeout_s
+        return await self._client.call(url, path, payload, timeout_s=timeout_s, retries=0)
+
+    async def _flush_cache(self, url: str) -> None:
+        """`/flush_cache` answers 400 while requests are still running: retried."""
+        retries = max(10, self.config.max_retries)
+        busy_ok = RETRYABLE_STATUSES | {400}
+        await self._client.call(url, "/flush_cache", retries=retries, retry_statuses=busy_ok)
+
+    async def _drop_group(self) -> None:
+        """A failed distributed sync may leave the group mid-collective: drop it (the next sync makes one)."""
+        group, self._group = self._group, None
+        payload = {"group_name": self.config.group_name}
+        path = "/destroy_weights_update_group"
+        destroy = [self._client.call(u, path, payload, retries=0) for u in self.server_urls]
+        await asyncio.gather(*destroy, return_exceptions=True)
+        if group is not None:
+            group.close()
+
+    # ------------------------------------------------------------------------------------------- memory saver
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Colocated mode: servers free GPU memory (tags 'weights', 'kv_cache'; None = all) for training."""
+        self._check_open()
+        self._run(self._call_all("/release_memory_occupation", {"tags": tags}))
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Colocated mode: servers take their GPU memory back before a weight sync / generation."""
+        self._check_open()
+        self._run(self._call_all("/resume_memory_occupation", {"tags": tags}))
+
+
+def make_sglang_engine(runtime: Any, *, exporter: Exporter | None = None) -> SGLangEngine:
+    """The engine of a training run with rollout.engine=sglang, on every trainer rank (server/factory.py).
+
+    `runtime` provides `cfg.sglang` (the options of SGLangConfig), `model_config` (fills the routing shape
+    when return_routed_experts is set) and `dtype` (of the exported weights).
+    """
+    cfg = SGLangConfig.from_run_config(runtime.cfg.sglang, runtime.model_config)
+    return make_server_engine(SGLangEngine, cfg, runtime, exporter=exporter)  # type: ignore[return-value]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,106 @@
+"""Configuration of the vLLM rollout engine: the shared server fields (server/config.py) plus vLLM's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from megatron_gspo.rollout.server.config import ServerConfig, check_ints, check_port
+from megatron_gspo.rollout.types import RoutingSpec
+
+WEIGHT_TRANSPORTS = ("shm", "disk", "nccl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+TRAINER_WEIGHTS = "trainer"
+
+
+@dataclass
+class VLLMConfig(ServerConfig):
+    """vLLM servers used for rollouts (REFERENCE.md §9); vLLM lives in its own environment (`make rollout-env`)."""
+
+    section: ClassVar[str] = "vllm"
+
+    model_path: str = TRAINER_WEIGHTS
+    """HF checkpoint directory the servers load at start; 'trainer': the trainer's own initial weights, exported
+    by megatron-gspo into a directory under the weight root (launch mode; no conversion step needed)."""
+    python: str = ".venv-vllm/bin/python"
+    """Interpreter of the vLLM environment (`make rollout-env` builds .venv-vllm)."""
+    server_module: str = "vllm.entrypoints.openai.api_server"
+    """Module run with `python -m` to start one server."""
+    port_base: int = 8100
+    """HTTP port of server 0; server i listens on port_base + i."""
+    dtype: str = "auto"
+    """Server compute dtype (`--dtype`; 'float32' on CPU makes engine log-probs match the fp32 trainer)."""
+    max_model_len: int = 0
+    """Context length of the servers (`--max-model-len`; 0: the model's max_position_embeddings)."""
+    kv_cache_memory_bytes: int = 0
+    """KV-cache size per server (`--kv-cache-memory-bytes`; 0: vLLM's default share of memory)."""
+    seed: int = 0
+    """Server seed (`--seed`); each request also carries its own seed."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile (`--enforce-eager`); required on CPU, faster start on GPU."""
+    tp_size: int = 1
+    """Tensor-parallel size of every server (`--tensor-parallel-size`)."""
+    gpu_memory_utilization: float = 0.0
+    """GPU: fraction of memory vLLM may take (0: vLLM's default)."""
+    logprobs_mode: str = "processed_logprobs"
+    """Which log-probs the server reports: 'processed_logprobs' = after temperature (and top-k / top-p, which
+    renormalise: keep them off when the engine's log-probs serve as pi_old); 'raw_logprobs' = temperature 1."""
+    weight_transport: str = "shm"
+    """How weights reach the servers after each step: 'shm' (safetensors in /dev/shm, servers on this host),
+    'disk' (safetensors under weight_sync_dir, a file system the servers read) — both through megatron-gspo's
+    vLLM plugin — or 'nccl' (vLLM's NCCL weight transfer, GPU)."""
+    weight_sync_dir: str | None = None
+    """Disk transport: directory (readable by the servers) where each version is written."""
+    master_address: str = "127.0.0.1"
+    """NCCL transport: this trainer's address as the servers reach it (unused by the file transports)."""
+    cpu_threads_bind: str = "nobind"
+    """CPU servers: VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind', or core ids such as '0-1'); 'nobind' with
+    `cpu_threads` leaves core placement to the OS (what a machine shared with the trainer wants)."""
+    cpu_threads: int = 0
+    """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
+
+    capture_routes: bool = False
+    """R3 on CPU servers (which return no routes): record them with megatron-gspo's hooks on the MoE gates
+    (rollout/vllm/worker.py RoutingCaptureExtension; prefix caching off). GPU servers: return_routed_experts."""
+
+    def __post_init__(self) -> None:
+        if self.capture_routes and self.return_routed_experts:
+            raise ValueError(
+                "vllm.capture_routes and vllm.return_routed_experts both ask for routes: pick one"
+            )
+        super().__post_init__()
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"vllm.weight_transport={self.weight_transport!r} must be one of {WEIGHT_TRANSPORTS}"
+            )
+        if self.weight_transport == "disk" and not self.weight_sync_dir:
+            raise ValueError(
+                "vllm.weight_transport=disk needs vllm.weight_sync_dir (readable by the servers)"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"vllm.dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"vllm.logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}")
+        if self.mode == "attach" and self.model_path == TRAINER_WEIGHTS:
+            self.model_path = (
+                ""  # attached servers already hold weights; the first sync makes them the trainer's
+            )
+        check_ints(self, ("max_model_len", "kv_cache_memory_bytes", "seed", "cpu_threads"), minimum=0)
+        check_ints(self, ("tp_size",), minimum=1)
+        check_port(self, "port_base")
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in [0, 1]")
+
+    def routes_flag(self) -> str | None:
+        return "capture_routes" if self.capture_routes else super().routes_flag()
+
+    @property
+    def capture_spec(self) -> RoutingSpec | None:
+        """Shape of the routes the gate hooks record (None without capture_routes)."""
+        return self.routes_spec() if self.capture_routes else None
+
+    @property
+    def serves_trainer_weights(self) -> bool:
+        """Launch mode with model_path 'trainer': the engine exports the trainer's weights to start from."""
+        return self.mode == "launch" and self.model_path == TRAINER_WEIGHTS

@@ -1,0 +1,398 @@
+"""A fake SGLang server for tests: SGLang 0.5.x's native HTTP shapes (REFERENCE.md §4) and its failure modes.
+
+In-process: `FakeSGLang(...).start()` serves an aiohttp app from a background thread (own event loop) on
+127.0.0.1:<free port>. As a subprocess (launch-mode tests):
+`python -m tests.rollout.sglang.fake_server --host H --port P [SGLang's flags, ignored] [--fake-* knobs]`.
+
+Generation is deterministic: tokens come from an LCG seeded by the prompt and `sampling_seed`, so tests can
+recompute what a request must return (`fake_tokens`, `fake_logprob`, `fake_routed_experts`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+
+def fake_tokens(
+    input_ids: list[int], seed: int | None, max_new_tokens: int, stop_ids: list[int], vocab: int
+) -> list[int]:
+    """The response the fake returns for a prompt (stop token included when hit)."""
+    state = (sum((i + 1) * t for i, t in enumerate(input_ids)) * 1_000_003 + (seed or 0)) % 2**31
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        state = (state * 1_103_515_245 + 12_345) % 2**31
+        tok = (state >> 8) % vocab
+        out.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+def fake_logprob(token: int) -> float:
+    """The log-prob the fake reports for a sampled token."""
+    return -((token % 7) + 1) / 8
+
+
+def fake_routed_experts(num_tokens: int, num_layers: int, topk: int, num_experts: int) -> np.ndarray:
+    """int32 [num_tokens, num_layers, topk] routing record the fake returns."""
+    t, l, k = np.meshgrid(np.arange(num_tokens), np.arange(num_layers), np.arange(topk), indexing="ij")
+    return ((t * 3 + l * 5 + k) % num_experts).astype(np.int32)
+
+
+class FakeSGLang:
+    """One fake server. Its attributes are knobs tests set (before or between requests) and records."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        vocab_size: int = 97,
+        num_layers: int = 2,
+        topk: int = 2,
+        num_experts: int = 8,
+        model_path: str = "fake-model",
+    ):
+        self.host, self.port = host, port
+        self.vocab_size, self.num_layers = vocab_size, num_layers
+        self.topk, self.num_experts = topk, num_experts
+        self.model_path = model_path
+        # failure knobs
+        self.health_503 = 0
+        """The first k /health_generate (and /health) calls answer 503 (server starting)."""
+        self.fail_generate: set[int] = set()
+        """1-based /generate request numbers answered with HTTP 500."""
+        self.malformed_json = 0
+        """The next k /generate answers are truncated JSON."""
+        self.abort_next = 0
+        """The next k /generate answers finish with {"type": "abort"}."""
+        self.die_after: int | None = None
+        """After this many /generate requests, every connection drops and the server stops listening."""
+        self.flush_busy = 0
+        """The first k /flush_cache calls answer 400 (requests still running)."""
+        self.generate_delay_s = 0.0
+        """Time each /generate takes."""
+        self.report_version: str | None = None
+        """Reported as meta_info.weight_version instead of the real one (a server that missed an update)."""
+        self.join_groups = True
+        """Really join the weight-update group (gloo) on /init_weights_update_group; False: only record."""
+        self.fail_update = False
+        """/update_weights_from_* answer 400 {"success": false}."""
+        self.drop_fields: set[str] = set()
+        """meta_info keys left out of /generate answers (an incompatible server version)."""
+        self.vary_per_request = False
+        """Mix the request number into the tokens: the same request twice gets different answers (a server that
+        is not batch-invariant)."""
+        # records
+        self.weight_version = "default"
+        self.calls: list[tuple[str, Any]] = []
+        self.generate_count = 0
+        self.health_count = 0
+        self.flush_count = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.aborted_rids: list[str] = []
+        self.weights: dict[str, Any] = {}
+        self.paused = False
+        self.dead = False
+        self._group: Any = None
+        self._store: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def paths(self) -> list[str]:
+        """Paths of the calls received, in order (health checks left out)."""
+        return [p for p, _ in self.calls if p not in ("/health_generate", "/health")]
+
+    # ---------------------------------------------------------------------------------------------- app
+    def app(self) -> web.Application:
+        app = web.Application()
+        r = app.router
+        r.add_post("/generate", self.generate)
+        for path in ("/health_generate", "/health"):
+            r.add_get(path, self.health)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_post("/update_weights_from_disk", self.update_from_disk)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/abort_request", self.abort_request)
+        for path in ("/pause_generation", "/continue_generation"):
+            r.add_route("*", path, self.control)
+        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            r.add_route("*", path, self.control)
+        return app
+
+    async def _payload(self, request: web.Request) -> Any:
+        raw = await request.read()
+        payload = json.loads(raw) if raw.strip() else None
+        self.calls.append((request.path, payload))
+        return payload
+
+    async def _die(self, request: web.Request) -> None:
+        self.dead = True
+        if self._site is not None:
+            await self._site.stop()
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError
+
+    async def _admit(self, request: web.Request) -> tuple[Any, int, web.Response | None]:
+        """(body, request number, a failure answer or None): the failure knobs every fake's generate obeys."""
+        body = await self._payload(request)
+        self.generate_count += 1
+        number = self.generate_count
+        if self.dead or (self.die_after is not None and number > self.die_after):
+            await self._die(request)
+        if number in self.fail_generate:
+            error = {"object": "error", "message": "Internal server error", "code": 500}
+            return body, number, web.json_response(error, status=500)
+        return body, number, None
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body, number, failure = await self._admit(request)
+        if failure is not None:
+            return failure
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.generate_delay_s:
+                await asyncio.sleep(self.generate_delay_s)
+            if self.dead:
+                await self._die(request)
+        finally:
+            self.in_flight -= 1
+        if self.malformed_json > 0:
+            self.malformed_json -= 1
+            return web.Response(body=b'{"text": "", "output_ids": [1, 2', content_type="application/json")
+        params = body.get("sampling_params") or {}
+        prompt = body["input_ids"]
+        stop_ids = list(params.get("stop_token_ids") or [])
+        max_new = int(params.get("max_new_tokens", 128))
+        seed = params.get("sampling_seed")
+        if self.vary_per_request:
+            seed = (seed or 0) + 7919 * number
+        tokens = fake_tokens(prompt, seed, max_new, stop_ids, self.vocab_size)
+        aborted = self.abort_next > 0 or body.get("rid") in self.aborted_rids
+        if aborted:
+            self.abort_next = max(0, self.abort_next - 1)
+            tokens = tokens[: len(tokens) // 2]
+            finish: dict[str, Any] = {"type": "abort", "message": "Abort before prefill"}
+        elif tokens and tokens[-1] in stop_ids:
+            finish = {"type": "stop", "matched": tokens[-1]}
+        else:
+            finish = {"type": "length", "length": len(tokens)}
+        meta: dict[str, Any] = {
+            "id": body.get("rid"),
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "weight_version": self.report_version or self.weight_version,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[fake_logprob(t), t, None] for t in tokens]
+        if body.get("return_routed_experts"):
+            num_tokens = len(prompt) + len(tokens) - 1
+            rows = fake_routed_experts(num_tokens, self.num_layers, self.topk, self.num_experts)
+            meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
+        for key in self.drop_fields:
+            meta.pop(key, None)
+        return web.json_response({"text": "", "output_ids": tokens, "meta_info": meta})
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.calls.append((request.path, None))
+        self.health_count += 1
+        return web.Response(status=503 if self.health_count <= self.health_503 else 200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self._payload(request)
+        self.flush_count += 1
+        if self.flush_count <= self.flush_busy:
+            return web.Response(status=400, text="Cache not flushed: requests are running or waiting.\n")
+        return web.Response(text="Cache flushed.\n")
+
+    async def control(self, request: web.Request) -> web.Response:
+        await self._payload(request)
+        if request.path == "/pause_generation":
+            self.paused = True
+        elif request.path == "/continue_generation":
+            self.paused = False
+        return web.json_response({"message": "ok", "status": "ok"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        info = {"model_path": self.model_path, "is_generation": True, "weight_version": self.weight_version}
+        return web.json_response(info)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        payload = await self._payload(request)
+        self.aborted_rids.append(payload.get("rid"))
+        return web.Response(status=200)
+
+    def _refuse(self) -> web.Response | None:
+        if self.fail_update:
+            return web.json_response({"success": False, "message": "fake failure"}, status=400)
+        return None
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        payload = await self._payload(request)
+        if (refused := self._refuse()) is not None:
+            return refused
+        from safetensors.torch import load_file
+
+        directory = Path(payload["model_path"])
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        loaded: dict[str, Any] = {}
+        for shard in sorted(directory.glob("*.safetensors")):
+            loaded.update(load_file(str(shard)))
+        if sorted(loaded) != sorted(index["weight_map"]):
+            return web.json_response({"success": False, "message": "index and shards disagree"}, status=400)
+        self.weights = loaded
+        if payload.get("weight_version") is not None:
+            self.weight_version = payload["weight_version"]
+        return web.json_response({"success": True, "message": "Succeeded.", "num_paused_requests": 0})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        p = await self._payload(request)
+        if not self.join_groups:
+            return web.json_response({"success": True, "message": "recorded"})
+        if p["backend"] != "gloo":
+            refusal = {"success": False, "message": "the fake joins gloo groups only"}
+            return web.json_response(refusal, status=400)
+        await asyncio.to_thread(self._join, p)
+        return web.json_response({"success": True, "message": "Succeeded to initialize the group."})
+
+    def _join(self, p: dict) -> None:
+        """The server side of SGLang's init_custom_process_group, for one rank (tp_size 1)."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=30)
+        store = dist.TCPStore(p["master_address"], p["master_port"], p["world_size"], False, timeout)
+        name = p["group_name"]
+        prefixed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self._store = store
+        self._group = dist.ProcessGroupGloo(prefixed, p["rank_offset"], p["world_size"], opts)
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        p = await self._payload(request)
+        if (refused := self._refuse()) is not None:
+            return refused
+        if self._group is not None:
+            self.weights.update(await asyncio.to_thread(self._receive, p))
+        if p.get("weight_version") is not None:
+            self.weight_version = p["weight_version"]
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    def _receive(self, p: dict) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        out = {}
+        for name, dtype, shape in zip(p["names"], p["dtypes"], p["shapes"]):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._group.broadcast([tensor], opts).wait()
+            out[name] = tensor
+        return out
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        await self._payload(request)
+        self._group = self._store = None
+        return web.json_response({"success": True, "message": "destroyed"})
+
+    # ---------------------------------------------------------------------------------------------- running
+    async def _serve(self, ready: threading.Event) -> None:
+        self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port)
+        await self._site.start()
+        self.port = self._site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        ready.set()
+
+    def start(self) -> FakeSGLang:
+        """Serves from a background thread; returns once the port is open."""
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.create_task(self._serve(ready))  # type: ignore[union-attr]
+            self._loop.run_forever()  # type: ignore[union-attr]
+
+        self._thread = threading.Thread(target=run, name=f"fake-sglang-{id(self)}", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fake SGLang server did not start")
+        return self
+
+    def stop(self) -> None:
+        """Stops serving and joins the thread (idempotent)."""
+        if self._loop is None or self._thread is None:
+            return
+        loop, self._loop = self._loop, None
+
+        async def shutdown() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+            # handlers still sleeping (their clients gave up) are cancelled rather than left pending
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            loop.stop()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop)
+        self._thread.join(10)
+        loop.close()
+        self._thread = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Subprocess entry point: accepts SGLang's launch flags (unknown ones ignored) plus --fake-* knobs."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-path", default="fake-model")
+    parser.add_argument("--fake-health-503", type=int, default=0)
+    parser.add_argument("--fake-exit-code", type=int, default=None, help="exit at once with this code")
+    parser.add_argument("--fake-child-pid-file", default=None, help="spawn a child (like SGLang's scheduler)")
+    args, _ = parser.parse_known_args(argv)
+    if args.fake_exit_code is not None:
+        print("fake SGLang: failing on purpose", file=sys.stderr)
+        sys.exit(args.fake_exit_code)
+    if args.fake_child_pid_file:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        tmp = args.fake_child_pid_file + ".tmp"
+        Path(tmp).write_text(f"{os.getpid()} {child.pid}")
+        os.replace(tmp, args.fake_child_pid_file)
+    server = FakeSGLang(host=args.host, port=args.port, model_path=args.model_path)
+    server.health_503 = args.fake_health_503
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""SGLang weight sync against fake servers: the disk protocol and the distributed (NCCL-shaped) protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_gspo.rollout.sglang import SGLangError
+from megatron_gspo.rollout.types import SamplingParams
+from tests.rollout.server.test_transport import MB, named_weights
+
+
+def test_disk_sync_content_version_and_order_of_calls(fake_servers, attach, tmp_path):
+    servers = fake_servers(2)
+    servers[0].flush_busy = 2  # /flush_cache answers 400 while busy: retried
+    weights = named_weights()
+    exporter = lambda chunks: iter(weights)  # noqa: E731
+    engine = attach(servers, exporter=exporter, weight_sync="disk", weight_sync_dir=str(tmp_path))
+    engine.update_weights(["chunk"], version=1)
+    assert engine.weight_version == 1
+    for server in servers:
+        assert server.weight_version == "1"
+        assert sorted(server.weights) == sorted(n for n, _ in weights)
+        for name, tensor in weights:
+            assert server.weights[name].dtype == tensor.dtype and torch.equal(server.weights[name], tensor)
+        paths = server.paths()
+        assert paths[0] == "/pause_generation" and paths[1] == "/update_weights_from_disk"
+        assert paths[-1] == "/continue_generation" and paths[-2] == "/flush_cache"
+        loads = [p for path, p in server.calls if path == "/update_weights_from_disk"]
+        assert loads == [{"model_path": str(tmp_path / "weights-v1"), "weight_version": "1"}]
+    assert servers[0].flush_count == 3
+    # rollouts now carry the new version; the previous version's directory is removed at the next sync
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].weight_version == 1
+    engine.push_weights(iter(weights), version=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights-v2"]
+    with pytest.raises(ValueError, match="must be an int >= current 2"):
+        engine.push_weights(iter(weights), version=1)
+
+
+def test_failed_sync_refuses_generation_until_a_sync_succeeds(fake_servers, attach, tmp_path):
+    (server,) = fake_servers(1)
+    engine = attach([server], weight_sync="disk", weight_sync_dir=str(tmp_path))
+    server.fail_update = True
+    with pytest.raises(SGLangError, match="update_weights_from_disk answered HTTP 400: .*fake failure"):
+        engine.push_weights(iter(named_weights()), version=1)
+    assert engine.weight_version == 0
+    with pytest.raises(SGLangError, match="weight sync to version 1 failed"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    server.fail_update = False
+    engine.push_weights(iter(named_weights()), version=1)
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].weight_version == 1
+
+
+class RecordingGroup:
+    """Stands in for the NCCL group: records the broadcasts."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.sent: list[torch.Tensor] = []
+        self.closed = False
+
+    def broadcast(self, tensor):
+        self.sent.append(tensor)
+
+    def close(self):
+        self.closed = True
+
+
+def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach):
+    servers = fake_servers(2)
+    for s in servers:
+        s.join_groups = False
+    groups: list[RecordingGroup] = []
+
+    def factory(**kwargs):
+        groups.append(RecordingGroup(**kwargs))
+        return groups[-1]
+
+    weights = named_weights()
+    engine = attach(servers, group_factory=factory, tp_size=2, bucket_mb=300 / MB, master_port=29555)
+    engine.push_weights(iter(weights), version=1)
+    engine.push_weights(iter(weights), version=2)
+    assert len(groups) == 1  # the group is created once
+    (group,) = groups
+    assert group.kwargs["world_size"] == 5 and group.kwargs["master_port"] == 29555
+    assert group.kwargs["backend"] == "nccl" and group.kwargs["group_name"] == "weight_update_group"
+    assert [t is w for t, (_, w) in zip(group.sent, weights + weights)] == [True] * 12  # list order, twice
+    for i, server in enumerate(servers):
+        init = [p for path, p in server.calls if path == "/init_weights_update_group"]
+        assert init == [
+            {
+                "master_address": "127.0.0.1",
+                "master_port": 29555,
+                "rank_offset": 1 + 2 * i,
+                "world_size": 5,
+                "group_name": "weight_update_group",
+                "backend": "nccl",
+            }
+        ]
+        updates = [p for path, p in server.calls if path == "/update_weights_from_distributed"]
+        names = [n for p in updates for n in p["names"]]
+        assert names == [n for n, _ in weights] * 2
+        first = updates[0]
+        assert first["dtypes"] == ["bfloat16"] * len(first["names"])
+        assert first["shapes"][0] == [16, 8] and first["flush_cache"] is False
+        versions = [p.get("weight_version") for p in updates]
+        assert versions.count("1") == 1 and versions.count("2") == 1 and versions[-1] == "2"
+        paths = server.paths()
+        first_three = ["/pause_generation", "/init_weights_update_group", "/update_weights_from_distributed"]
+        assert paths[:3] == first_three
+        assert paths[-2:] == ["/flush_cache", "/continue_generation"]
+        assert server.weight_version == "2"
+
+
+def test_distributed_sync_over_a_real_gloo_group(fake_servers, attach):
+    """The trainer joins as rank 0 the way SGLang servers join (TCP store + prefixes); broadcasts are real."""
+    servers = fake_servers(2)
+    weights = named_weights()
+    engine = attach(servers, group_backend="gloo", bucket_mb=600 / MB, weight_sync_timeout_s=30)
+    engine.push_weights(iter(weights), version=1)
+    changed = [(n, t + 1) for n, t in weights]
+    engine.push_weights(iter(changed), version=2)
+    for server in servers:
+        assert server.weight_version == "2"
+        for name, tensor in changed:
+            assert server.weights[name].dtype == tensor.dtype and torch.equal(server.weights[name], tensor)
+    engine.close()
+
+
+def test_failed_distributed_sync_drops_the_group_and_the_next_sync_rebuilds_it(fake_servers, attach):
+    servers = fake_servers(2)
+    for s in servers:
+        s.join_groups = False
+    groups: list[RecordingGroup] = []
+
+    def factory(**kwargs):
+        groups.append(RecordingGroup(**kwargs))
+        return groups[-1]
+
+    engine = attach(servers, group_factory=factory)
+    servers[1].fail_update = True
+    with pytest.raises(SGLangError, match="update_weights_from_distributed answered HTTP 400"):
+        engine.push_weights(iter(named_weights()), version=1)
+    assert groups[0].closed and engine.weight_version == 0
+    assert all("/destroy_weights_update_group" in s.paths() for s in servers)
+    servers[1].fail_update = False
+    engine.push_weights(iter(named_weights()), version=1)
+    assert len(groups) == 2 and not groups[1].closed and engine.weight_version == 1
+    engine.close()  # attached servers leave the group, so a later trainer can create it again
+    assert groups[1].closed and all(s.paths().count("/destroy_weights_update_group") == 2 for s in servers)
+
+
+def test_memory_saver_calls(fake_servers, attach):
+    servers = fake_servers(2)
+    engine = attach(servers, colocated=True)
+    engine.release_memory(["kv_cache", "weights"])
+    engine.resume_memory()
+    for s in servers:
+        assert s.calls[-2:] == [
+            ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
+            ("/resume_memory_occupation", {"tags": None}),
+        ]
