@@ -45,23 +45,28 @@ DEFAULT_SEEDS = 3
 _SFT_SECTIONS = ("model", "data", "sft", "parallel")
 
 
+_ROUTE_FLAGS = ("return_routed_experts", "capture_routes")
+"""Server-engine options that make the rollout engine report its routes (rollout/server/config.py; the trainer
+fills the routing shape from the model)."""
+
+
 def variant_overrides(variant: str, base: RunConfig) -> list[str]:
-    """The overrides of `variant`; for R3 with a server engine also the settings that make servers return the
-    routed experts (their shape comes from the model), unless the config sets them."""
+    """The overrides of `variant`. R3 with a server engine needs the servers' routes: with SGLang the variant
+    asks for them (`sglang.return_routed_experts=true`) unless the config already does; vLLM has two ways (CPU
+    servers: `vllm.capture_routes`, GPU servers: `vllm.return_routed_experts`), so the config must choose one."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown stability variant {variant!r}; choose from {', '.join(VARIANTS)}")
     out = list(VARIANTS[variant])
     engine = base.rollout.engine
     if variant.endswith("_r3") and engine != "local":
-        m = base.model.model_config()
-        wanted = {
-            "return_routed_experts": "true",
-            "num_experts": m.num_experts,
-            "num_moe_layers": m.num_hidden_layers,
-            "moe_topk": m.num_experts_per_tok,
-        }
-        section = getattr(base, engine, None) or {}  # the engine's own config section (sglang: ...)
-        out += [f"{engine}.{k}={v}" for k, v in wanted.items() if k not in section]
+        section = getattr(base, engine, None) or {}  # the engine's own config section
+        if not any(section.get(flag) for flag in _ROUTE_FLAGS):
+            if engine != "sglang":
+                raise ValueError(
+                    f"variant {variant} replays the rollout engine's routes: set {engine}.capture_routes=true "
+                    f"(CPU servers) or {engine}.return_routed_experts=true (GPU servers)"
+                )
+            out.append("sglang.return_routed_experts=true")
     return out
 
 

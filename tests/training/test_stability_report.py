@@ -189,10 +189,14 @@ def test_variants_set_algorithm_and_replay_and_r3_asks_servers_for_routes():
         "rollout.old_logprobs=recompute",
     ]
     assert variant_overrides("grpo_r3", local) == ["loss.algorithm=grpo", "moe.routing_replay=r3"]
-    server = load_run_config("examples/stability_moe.yaml", ["rollout.engine=sglang", "sglang.moe_topk=4"])
-    extra = variant_overrides("grpo_r3", server)[2:]
-    assert extra == ["sglang.return_routed_experts=true", "sglang.num_experts=64", "sglang.num_moe_layers=6"]
-    assert variant_overrides("gspo", server) == ["loss.algorithm=gspo", "moe.routing_replay=off"]
+    sglang = load_run_config("examples/stability_moe.yaml", ["rollout.engine=sglang"])
+    assert variant_overrides("grpo_r3", sglang)[2:] == ["sglang.return_routed_experts=true"]
+    assert variant_overrides("gspo", sglang) == ["loss.algorithm=gspo", "moe.routing_replay=off"]
+    asked = load_run_config("examples/stability_moe.yaml", ["rollout.engine=vllm", "vllm.capture_routes=true"])
+    assert variant_overrides("grpo_r3", asked) == ["loss.algorithm=grpo", "moe.routing_replay=r3"]
+    vllm = load_run_config("examples/stability_moe.yaml", ["rollout.engine=vllm"])
+    with pytest.raises(ValueError, match="set vllm.capture_routes=true .CPU servers. or vllm.return_routed_experts"):
+        variant_overrides("grpo_r3", vllm)
     with pytest.raises(ValueError, match="unknown stability variant 'dapo'"):
         variant_overrides("dapo", local)
 
