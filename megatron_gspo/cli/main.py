@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe_gspo.yaml"
+STABILITY_CONFIG = DEMO_CONFIG.parent / "stability_moe.yaml"
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -138,8 +140,16 @@ def cmd_stability(args) -> int:
     from megatron_gspo.training.stability_benchmark import run_stability
 
     configure_logging()
-    report = run_stability(args.config or str(DEMO_CONFIG), args.overrides, args.out, args.variants.split(","))
-    print(report.read_text() if report.is_file() else report)
+    result = run_stability(
+        args.config or str(STABILITY_CONFIG),
+        args.overrides,
+        args.out,
+        [v.strip() for v in args.variants.split(",") if v.strip()],
+        seeds=args.seeds,
+        budget_minutes=args.budget_minutes,
+    )
+    if result.report.is_file() and int(os.environ.get("RANK", "0")) == 0:
+        print(result.report.read_text())
     return 0
 
 
@@ -164,6 +174,8 @@ def cmd_plot(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_gspo.training.stability_benchmark import DEFAULT_SEEDS, DEFAULT_VARIANTS, VARIANTS
+
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="GSPO / GRPO RL training")
@@ -183,10 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--overwrite", action="store_true", help="replace a previous demo in --run-dir")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("stability", help="GSPO vs GRPO vs GRPO + routing replay report (MoE stability)")
+    p = sub.add_parser("stability", help="GSPO vs GRPO vs GRPO + routing replay over seeds (MoE stability report)")
     _config_args(p)
     p.add_argument("--out", default="runs/stability", help="report directory")
-    p.add_argument("--variants", default="gspo,grpo,grpo_r2", help="comma list of gspo, grpo, grpo_r2, gspo_r2, grpo_r3")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--seeds", default=str(DEFAULT_SEEDS),
+                   help="seed count N (trainer.seed .. trainer.seed + N - 1) or a comma list of seeds")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help="start no run that would end past this many minutes (estimate: the longest run so far)")
     p.set_defaults(func=cmd_stability)
     for name, func, text in (
         ("convert", cmd_convert, "HF <-> Megatron checkpoint conversion"),

@@ -8,7 +8,7 @@ from megatron_gspo.data.dataset import (
     load_datasets,
     load_prompt_dataset,
 )
-from megatron_gspo.data.tasks import TASKS, ArithmeticTask, make_task
+from megatron_gspo.data.tasks import TASKS, ArithmeticTask, ChainTask, make_task
 from megatron_gspo.data.tokenizer import (
     ARITHMETIC_ALPHABET,
     CharTokenizer,
@@ -22,6 +22,7 @@ __all__ = [
     "ARITHMETIC_ALPHABET",
     "TASKS",
     "ArithmeticTask",
+    "ChainTask",
     "CharTokenizer",
     "DataConfig",
     "DatasetError",

@@ -15,7 +15,8 @@ class DataConfig:
     """Prompt sources, tokenizer and reward function of a run."""
 
     train: str = "task:add3"
-    """Training prompts: a .jsonl / .parquet file or a synthetic task `task:<name>` (add2/3/4, sub3, mul2)."""
+    """Training prompts: a .jsonl / .parquet file or a synthetic task `task:<name>` (add2/3/4, sub3, mul2,
+    chain3x2, chain4x2, chain3x3)."""
     heldout: str | None = "task:add3"
     """Evaluation prompts (same forms as `train`); a task's heldout never shares a train prompt."""
     train_size: int = 8192

@@ -172,6 +172,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=256,
         router_aux_loss_coef=0.0,
     ),
+    # The MoE stability benchmark's CPU model (examples/stability_moe.yaml): tiny's widths with 6 MoE layers of 64
+    # experts top-8 and Qwen3's aux-loss coefficient. Chosen by the drift sweep (README, tools/drift_sweep.py):
+    # the most expert drift per update among the CPU-sized shapes measured while RL still trains.
+    "tiny-moe64": dict(
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=32,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        router_aux_loss_coef=0.001,
+    ),
     # REFERENCE.md §3.
     "qwen3-30b-a3b": dict(),
 }

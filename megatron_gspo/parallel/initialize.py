@@ -111,7 +111,11 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistributedEnv:
 def shutdown() -> None:
     """Destroys megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
+    # megatron's aux-loss tracker is a module global sized by the first MoE model's layer count and holding its
+    # process groups; the next model built in this process (another depth, new groups) needs it empty.
+    get_moe_layer_wise_logging_tracker().clear()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -32,7 +32,7 @@ class ModelSection:
     """Which model to train and how it is instantiated."""
 
     preset: str | None = "tiny"
-    """Named architecture (tiny | qwen3-30b-a3b); ignored when `hf_config` is set."""
+    """Named architecture (tiny | tiny-moe64 | qwen3-30b-a3b); ignored when `hf_config` is set."""
     hf_config: str | None = None
     """Directory or config.json of a Hugging Face Qwen3-MoE checkpoint (architecture only)."""
     overrides: dict = field(default_factory=dict)

@@ -4,7 +4,8 @@
 - r2: the old-policy pass records routes (RECORD); every training forward of the rollout batch replays them.
 - r3: the rollout engine's routes are replayed in the old-policy pass and in training.
 Drift: routes of the drift sample under pi_old (before the step) vs after the first optimizer step, over
-response tokens: 1 - mean |S_old ∩ S_new| / k, plus the fraction of tokens whose set changed in any layer.
+response tokens: 1 - mean |S_old ∩ S_new| / k, plus the fraction of tokens whose set changed in any layer
+(`expert_drift*`); the same after all K optimizer steps of the rollout batch (`expert_drift_rollout*`).
 Drift and routing mismatch are statistics of all data-parallel replicas' tokens together (not rank 0's share).
 """
 
@@ -135,8 +136,9 @@ class RoutingControl:
     def _num_experts(self) -> int:
         return int(self.rr.num_experts) if hasattr(self.rr, "num_experts") else 0
 
-    def drift(self, batch: RolloutBatch, post: RouteStore, sample: RolloutBatch) -> dict:
-        """Expert drift between pi_old routes (recorded before the step) and `post` on the sample's responses."""
+    def drift(self, batch: RolloutBatch, post: RouteStore, sample: RolloutBatch, prefix: str = "expert_drift") -> dict:
+        """Expert drift between pi_old routes (recorded before the step) and `post` on the sample's responses,
+        as `{prefix}*` keys."""
         if self.pre_routes is None:
             return {}
         idx = sample.seq_index_N.tolist()
@@ -144,7 +146,9 @@ class RoutingControl:
             int(i): response_token_mask(int(p), int(p + r - 1))
             for i, p, r in zip(idx, sample.prompt_lens_N.tolist(), sample.response_lens_N.tolist())
         }
-        metrics = store_route_change(self.pre_routes, post, masks=masks, seq_indices=idx, **self._groups())
+        metrics = store_route_change(
+            self.pre_routes, post, masks=masks, seq_indices=idx, prefix=prefix, **self._groups()
+        )
         if self.routes is not None:
             metrics.update({k: float(v) for k, v in self.rr.metrics(self.routes).items()})
         return metrics

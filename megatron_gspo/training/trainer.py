@@ -353,16 +353,20 @@ class GSPOTrainer:
                     "lr": self.rt.optimizer.param_groups[0]["lr"],
                 }
             )
+        if drift and t.minibatches > 1:
+            # pi_old vs the policy after all K steps (the next rollout batch's pi_old): the drift accumulated over
+            # the rollout batch, beside the per-step drift above (stability benchmark).
+            drift.update(self.measure_drift(batch, prefix="expert_drift_rollout"))
         metrics[0]["drift"] = {**drift, **self.routing.mismatch}
         metrics[0]["engine_mismatch_parts"] = engine_mismatch
         return metrics
 
-    def measure_drift(self, batch: RolloutBatch) -> dict:
-        """Expert drift after one optimizer step (paper §5.3): routes of the same sample before vs after."""
+    def measure_drift(self, batch: RolloutBatch, prefix: str = "expert_drift") -> dict:
+        """Expert drift since pi_old (paper §5.3): routes of the same sample under pi_old vs the current weights."""
         sample = drift_sample(batch, self.cfg.trainer.minibatches, self.moe.drift_sample_sequences)
         with self.routing.record() as rec:
             self.compute_logprobs(sample)
-        return self.routing.drift(batch, rec.routes, sample)
+        return self.routing.drift(batch, rec.routes, sample, prefix=prefix)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""

@@ -2,12 +2,14 @@
 
 import pytest
 
-from megatron_gspo.data import TASKS, ArithmeticTask, CharTokenizer, load_tokenizer, make_task
+from megatron_gspo.data import TASKS, ArithmeticTask, ChainTask, CharTokenizer, load_tokenizer, make_task
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+ARITHMETIC = sorted(n for n in TASKS if isinstance(make_task(n), ArithmeticTask))
+CHAINS = sorted(n for n in TASKS if isinstance(make_task(n), ChainTask))
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", ARITHMETIC)
 def test_items_have_fixed_width_prompts_and_correct_answers(name):
     task = make_task(name, seed=1)
     items = task.items("train", 200)
@@ -65,5 +67,37 @@ def test_bad_requests_raise_clear_errors():
         make_task("add2").items("test", 5)
     with pytest.raises(ValueError, match="op '/' is not supported"):
         ArithmeticTask(op="/")
-    with pytest.raises(ValueError, match="unknown task 'add9'; known tasks: add2, add3, add4, mul2, sub3"):
+    with pytest.raises(ValueError, match="unknown task 'add9'; known tasks: add2, add3, add4, chain3x2, chain3x3, "
+                                         "chain4x2, mul2, sub3"):
         make_task("add9")
+    with pytest.raises(ValueError, match="chain terms=2 must be in 3..6"):
+        ChainTask(terms=2)
+
+
+def test_chain_answers_work_the_sum_step_by_step():
+    task = ChainTask(terms=3, digits=2)
+    assert task.prompt((12, 34, 56)) == "12+34+56=" and task.answer((12, 34, 56)) == "046+56=102"
+    assert ChainTask(terms=4, digits=2).answer((99, 99, 99, 99)) == "198+99+99=297+99=396"
+    assert ChainTask(terms=3, digits=3).answer((5, 0, 7)) == "0005+007=0012"
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_chain_items_are_correct_fixed_length_and_split_like_the_others(name):
+    task = make_task(name, seed=3)
+    items = task.items("train", 300)
+    assert len({it.prompt for it in items}) == 300
+    lengths = set()
+    for it in items:
+        operands = [int(x) for x in it.prompt.removesuffix("=").split("+")]
+        assert len(operands) == task.terms and all(len(x) == task.digits for x in it.prompt[:-1].split("+"))
+        steps = it.answer.split("=")
+        assert len(steps) == task.terms - 1
+        for i, step in enumerate(steps):  # step i: the sum of the first i + 2 operands, then the rest unchanged
+            head, *rest = step.split("+")
+            assert int(head) == sum(operands[: i + 2]) and len(head) == task.width
+            assert [int(x) for x in rest] == operands[i + 2 :]
+        lengths.add(len(it.answer))
+    assert len(lengths) == 1  # every response has the same length
+    heldout = {it.prompt for it in make_task(name, seed=4).items("heldout", 200)}
+    assert not heldout & {it.prompt for it in items}
+    assert make_task(name, seed=3).items("train", 100) == items[:100]
