@@ -35,7 +35,10 @@ from megatron_gspo.training.batch import (
 )
 from megatron_gspo.training.checkpoint import CheckpointManager, new_run_id
 from megatron_gspo.training.checkpoint_contents import (
+    FORMAT,
     RUN_CONFIG,
+    current_layout,
+    layout_changes,
     load_trainer_contents,
     write_trainer_contents,
 )
@@ -134,9 +137,16 @@ class GSPOTrainer:
         if found is None:
             return None
         path, state = found
+        if state.get("format", 1) < FORMAT:
+            raise ValueError(
+                f"{path} was written by an older megatron-gspo (per-rank optimizer files, checkpoint format "
+                f"{state.get('format', 1)}), which this version does not resume: start a new run with "
+                f"model.load={path} (weights only)"
+            )
         saved = path / RUN_CONFIG
         if saved.is_file():
-            for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"]):
+            for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"],
+                                              reshardable=True):
                 log.info("resume: %s", change)
         else:
             log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
@@ -148,15 +158,15 @@ class GSPOTrainer:
             log.info("no checkpoint under %s: starting from scratch", self.ckpt.root)
         else:
             path, state = point
-            if state.get("world_size") != dist.get_world_size():
-                raise ValueError(
-                    f"{path} was written by {state.get('world_size')} ranks but this run has {dist.get_world_size()}: "
-                    f"optimizer state resumes only in the same layout (start a new run with model.load={path})"
-                )
+            saved_layout = state.get("layout") or {"world_size": state.get("world_size")}
+            changes = layout_changes(saved_layout, current_layout(self.rt))
+            if changes:
+                log.info("resume: layout changed (%s): model and optimizer state resharded from %s; RNG states "
+                         "are this run's own", ", ".join(changes), path.name)
             self.ckpt.run_id = state.get("run_id")
-            load_trainer_contents(path, self.rt)
+            load_trainer_contents(path, self.rt, same_layout=not changes)
             self.load_state_dict(state)
-            self.rt.engine.update_weights(self.rt.models, self.step)
+            self.rt.sync_engine(self.step)
             log.info("resumed from %s at step %d", path, self.step)
         if self.rt.is_logging_rank:
             # Rows after the checkpoint belong to steps this run does again; a partial last line is dropped.
@@ -403,7 +413,7 @@ class GSPOTrainer:
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""
-        self.rt.engine.update_weights(self.rt.models, self.step)
+        self.rt.sync_engine(self.step)
 
     def evaluate(self) -> dict:
         """Held-out avg@n / pass@k with the current weights."""
@@ -416,9 +426,8 @@ class GSPOTrainer:
         """Writes checkpoint iter_<step> (atomic; training/checkpoint.py) and returns its path."""
         self.watchdog.mark("checkpoint")
         config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
-        return self.ckpt.save(
-            self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), self.state_dict()
-        )
+        state = {**self.state_dict(), "format": FORMAT, "layout": current_layout(self.rt)}
+        return self.ckpt.save(self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), state)
 
     # ---- step boundary: stop signals, failing rewards, health ------------------------------------------
     def _step_boundary(self, batch: RolloutBatch, updates: list[dict], metrics: dict) -> tuple[str | None, str | None]:
