@@ -353,7 +353,7 @@ class GSPOTrainer:
                     "lr": self.rt.optimizer.param_groups[0]["lr"],
                 }
             )
-        if drift and t.minibatches > 1:
+        if drift and t.minibatches > 1 and self.moe.drift_rollout:
             # pi_old vs the policy after all K steps (the next rollout batch's pi_old): the drift accumulated over
             # the rollout batch, beside the per-step drift above (stability benchmark).
             drift.update(self.measure_drift(batch, prefix="expert_drift_rollout"))
