@@ -21,6 +21,7 @@ from megatron_gspo.algorithms import make_policy_loss
 from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
 from megatron_gspo.data.config import DataConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
+from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
 from megatron_gspo.training.health import HealthConfig
@@ -137,7 +138,9 @@ class TrainerConfig:
     """Token budget per micro-batch (input tokens; slime's max-tokens-per-gpu, verl's dynamic batch size): the
     sequences of a minibatch go into balanced micro-batches of at most this many tokens, as many as needed
     (the same count on every data-parallel rank). 0 = micro_batch_size sequences per micro-batch. Needs
-    batch_layout=packed."""
+    batch_layout=packed. The policy loss is the full-minibatch loss however sequences are grouped; the router aux
+    loss keeps megatron's semantics, a mean over micro-batches of each micro-batch's load-balancing loss, so the
+    grouping changes its gradient (as micro_batch_size does)."""
     batch_layout: str = "packed"
     """packed: the sequences of a micro-batch concatenated into one THD row (no padding compute) | padded: one
     row per sequence, padded to the longest possible (the reference)."""
@@ -236,6 +239,13 @@ class RunConfig:
             raise ValueError(
                 f"rollout.correction.level=token has no effect with loss.algorithm={self.loss.algorithm} (a "
                 "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"
+            )
+        drift_rows, t = MoEConfig.from_dict(self.moe).drift_sample_sequences, self.trainer
+        if drift_rows > t.micro_batch_size and drift_rows % t.micro_batch_size and not t.max_tokens_per_micro_batch:
+            # The drift sample goes through the trainer's micro-batches, which hold micro_batch_size sequences each.
+            raise ValueError(
+                f"moe.drift_sample_sequences={drift_rows} must be a multiple of trainer.micro_batch_size="
+                f"{t.micro_batch_size} (or at most it), or set trainer.max_tokens_per_micro_batch"
             )
 
     def to_dict(self) -> dict:

@@ -51,6 +51,16 @@ def test_bad_values_name_the_key(override, message):
         load_run_config(EXAMPLE, [override])
 
 
+def test_the_drift_sample_must_fill_whole_micro_batches():
+    """It runs in micro-batches of micro_batch_size sequences: 6 of 4 crashed at the first drift step, after a
+    rollout; a multiple, a smaller sample or a token budget are fine."""
+    with pytest.raises(ValueError, match=r"moe\.drift_sample_sequences=6 must be a multiple of trainer\.micro_batch_size=4"):
+        load_run_config(EXAMPLE, ["moe.drift_sample_sequences=6", "trainer.micro_batch_size=4"])
+    for ok in (["moe.drift_sample_sequences=8"], ["moe.drift_sample_sequences=3"],
+               ["moe.drift_sample_sequences=6", "trainer.max_tokens_per_micro_batch=64"]):
+        load_run_config(EXAMPLE, ["trainer.micro_batch_size=4", *ok])
+
+
 def test_token_budget_needs_packed_micro_batches():
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch needs trainer.batch_layout=packed"):
         load_run_config(EXAMPLE, ["trainer.batch_layout=padded", "trainer.max_tokens_per_micro_batch=64"])
