@@ -136,7 +136,9 @@ class GSPOTrainer:
         path, state = found
         saved = path / RUN_CONFIG
         if saved.is_file():
-            for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"]):
+            aux = self.cfg.model.model_config().router_aux_loss_coef
+            for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"],
+                                              router_aux_loss_coef=aux):
                 log.info("resume: %s", change)
         else:
             log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
