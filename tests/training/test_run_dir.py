@@ -97,6 +97,9 @@ def test_resume_cuts_the_logs_to_the_checkpoint_and_continues_exactly(run, base_
     evals = [r["step"] for r in _rows(run / "eval.jsonl")]
     assert evals == [0, 4]  # before RL; base's step-3 "after" eval cut; eval.every=2 has no step < 4 left but 4
     assert "resume: eval.every: 0 -> 2" in res.stderr and "resume: trainer.steps: 3 -> 4" in res.stderr
+    for state in (ckpts / "iter_0000002", ckpts / "iter_0000004"):  # the health streaks travel with the loop state
+        health = json.loads((state / "trainer_state.json").read_text())["health"]
+        assert set(health) == {"zero_grad_steps", "no_signal_steps"}, health
 
 
 def test_plot_names_the_file_and_line_of_a_bad_row(run):
