@@ -23,6 +23,7 @@ from megatron_gspo.data.config import DataConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.rollout.vllm.config import VLLMConfig, engine_logprobs_problem
 from megatron_gspo.training.health import HealthConfig
 from megatron_gspo.training.optim_config import OptimConfig
 
@@ -237,6 +238,12 @@ class RunConfig:
                 f"rollout.correction.level=token has no effect with loss.algorithm={self.loss.algorithm} (a "
                 "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"
             )
+        r = self.rollout
+        if r.engine == "vllm" and r.old_logprobs == "engine":
+            mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
+            problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)
+            if problem:  # pi_old would not be the distribution the trainer's ratio divides by (paper §5.4)
+                raise ValueError(problem)
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-serialisable)."""
