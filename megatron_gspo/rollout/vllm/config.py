@@ -27,8 +27,8 @@ def engine_logprobs_problem(logprobs_mode: str, temperature: float, top_p: float
     if logprobs_mode == "processed_logprobs" and filtered:
         return (
             f"rollout.old_logprobs=engine with vllm.logprobs_mode=processed_logprobs and rollout.top_p={top_p:g} / "
-            f"rollout.top_k={top_k}: vLLM's processed_logprobs are renormalised over the top-k / top-p tokens, not the full softmax the trainer "
-            "computes; use rollout.old_logprobs=recompute, rollout.top_p=1 and rollout.top_k=0, or "
+            f"rollout.top_k={top_k}: vLLM's processed_logprobs are renormalised over the top-k / top-p tokens, "
+            "not the full softmax the trainer computes; use rollout.old_logprobs=recompute, rollout.top_p=1 and rollout.top_k=0, or "
             "vllm.logprobs_mode=raw_logprobs with rollout.temperature=1"
         )
     if logprobs_mode == "raw_logprobs" and temperature != 1.0:

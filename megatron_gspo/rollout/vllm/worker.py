@@ -180,7 +180,8 @@ class RoutingCaptureExtension:
         buf, length = self._gspo_routes.get(rid, (None, 0))
         end = start + len(rows)
         if buf is None or end > len(buf):
-            grown = np.full((max(end, 2 * (0 if buf is None else len(buf)), 64), *rows.shape[1:]), -1, np.int16)
+            capacity = max(end, 2 * (0 if buf is None else len(buf)), 64)
+            grown = np.full((capacity, *rows.shape[1:]), -1, np.int16)
             if buf is not None:
                 grown[:length] = buf[:length]
             buf = grown
