@@ -24,6 +24,7 @@ from megatron_gspo.models.config import PRESETS, ModelConfig, preset
 from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.rollout.vllm.config import VLLMConfig, engine_logprobs_problem
 from megatron_gspo.training.health import HealthConfig
 from megatron_gspo.training.optim_config import OptimConfig
 
@@ -247,6 +248,12 @@ class RunConfig:
                 f"moe.drift_sample_sequences={drift_rows} must be a multiple of trainer.micro_batch_size="
                 f"{t.micro_batch_size} (or at most it), or set trainer.max_tokens_per_micro_batch"
             )
+        r = self.rollout
+        if r.engine == "vllm" and r.old_logprobs == "engine":
+            mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
+            problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)
+            if problem:  # pi_old would not be the distribution the trainer's ratio divides by (paper §5.4)
+                raise ValueError(problem)
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-serialisable)."""

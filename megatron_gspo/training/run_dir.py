@@ -44,6 +44,11 @@ RESUMABLE = {
     "scoring.timeout_s": "reward call timeout",
     "scoring.max_error_frac": "reward failure threshold",
     "sglang.*": "rollout servers: addresses, ports, resources (a requeued job runs on other nodes)",
+    **dict.fromkeys(
+        [f"vllm.{key}" for key in ("mode", "urls", "num_servers", "host", "port_base", "master_address", "python",
+                                   "log_dir", "weight_sync_dir", "cpu_threads", "cpu_threads_bind")],
+        "where the vLLM servers run and how they are reached (a requeued job runs on other nodes)",
+    ),  # fmt: skip
 }
 """Config keys (fnmatch patterns) a resumed run may change, and why that is safe."""
 

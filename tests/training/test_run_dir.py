@@ -175,6 +175,8 @@ def test_config_changes_compare_like_for_like():
     b = load_run_config("examples/tiny_moe_gspo.yaml", ["moe.routing_replay=off", "sglang.urls=[http://x:1]"]).to_dict()
     assert config_changes(a, b) == [("sglang.urls", "<unset>", ["http://x:1"])]  # moe defaults filled in
     assert resumable("sglang.urls") and resumable("trainer.steps") and not resumable("optim.lr")
+    assert resumable("vllm.urls") and resumable("vllm.port_base") and resumable("vllm.mode")  # a requeued job
+    assert not resumable("vllm.logprobs_mode") and not resumable("vllm.capture_routes")  # what pi_old / R3 are
     assert not resumable("trainer.seed") and not resumable("moe.routing_replay")
 
 
