@@ -21,7 +21,8 @@ setup(
         "torch>=2.6",
         "megatron-core==0.16.1",
         # triton.knobs (the kernels' interpreter switch) first ships in 3.4.0: kernels/triton_version.py.
-        "triton>=3.4",
+        # Upper bound: the kernels use tl.standard._sum_combine / _elementwise_max (private), tested up to 3.9.
+        "triton>=3.4,<3.10",
         "numpy",
         "packaging",
         "transformers>=5.0",

@@ -98,8 +98,8 @@ mg_wait() {
 # (MODE direct: to the command itself, e.g. srun, which hands them to its tasks, or a rank's python; MODE children:
 # to its direct children, i.e. torchrun's workers, so torchrun neither dies of USR1 nor kills them 30 s after a
 # TERM). Other stop signals are ignored while it runs. Sets MG_STOP_SIGNAL to the first signal passed on; returns
-# the command's exit status, 75 when a signal was passed on and it failed (torchrun reports workers that stopped
-# with 75 as failed). Under DRY_RUN=1 it prints the command.
+# the command's exit status as it is (whether the ranks stopped with a checkpoint, mg_step_status tells from what
+# they recorded). Under DRY_RUN=1 it prints the command.
 MG_STOP_SIGNAL=""
 mg_run_trainer() {
     local mode="$1" signals="$2"
@@ -124,9 +124,6 @@ mg_run_trainer() {
     mg_wait "$MG_TRAINER_PID" || status=$?
     trap - USR1 TERM
     eval "$saved"
-    if [[ -n "$MG_STOP_SIGNAL" && "$status" -ne 0 ]]; then
-        status=75
-    fi
     return "$status"
 }
 
@@ -140,13 +137,42 @@ mg_pass_signal() {  # mode signal
     [[ ${#targets[@]} -eq 0 ]] || kill -s "$2" "${targets[@]}" 2>/dev/null || true
 }
 
-# After the training step of a `train` job: requeue the job (scontrol requeue) when it stopped for SIGUSR1 (the
-# signal requested before the time limit) or exited 75 without a SIGTERM; the requeued job resumes
-# (SLURM_RESTART_COUNT > 0 adds --resume). REQUEUE=0 turns it off. $1: the step's exit status.
+# A fresh MG_STATUS_DIR for the training step: each rank writes its exit code there (megatron_gspo/cli/main.py).
+mg_new_status_dir() {
+    MG_STATUS_DIR="$LOG_DIR/exit-status-${SLURM_JOB_ID:-local}"
+    export MG_STATUS_DIR
+    mg_is_dry || { rm -rf "$MG_STATUS_DIR" && mkdir -p "$MG_STATUS_DIR"; }
+}
+
+# The training step's status from its exit status $1 and what its WORLD_SIZE ranks recorded in MG_STATUS_DIR: 75
+# (stopped for a signal with a checkpoint) only when every rank exited 75 (torchrun reports such workers as
+# failed, 1); a 75 that not every rank confirms is a failure (srun reports the highest code of its tasks: one rank
+# stopping while another failed writing its checkpoint reads 75), 1; any other status stays as it is.
+mg_step_status() {
+    local status="$1" rank stopped=0
+    if (( status != 0 )) && [[ -n "${MG_STATUS_DIR:-}" ]]; then
+        for ((rank = 0; rank < WORLD_SIZE; rank++)); do
+            [[ "$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" != 75 ]] || stopped=$((stopped + 1))
+        done
+        if (( stopped == WORLD_SIZE )); then
+            status=75
+        elif (( status == 75 )); then
+            mg_note "only $stopped of $WORLD_SIZE ranks stopped with a checkpoint (see $LOG_DIR): the step failed" >&2
+            status=1
+        fi
+    fi
+    echo "$status"
+}
+
+# After the training step of a `train` job: requeue the job (scontrol requeue) when the trainer stopped with a
+# checkpoint (status 75) for SIGUSR1 (the signal requested before the time limit) or for a signal sent to the ranks
+# directly, not for SIGTERM (scancel; Slurm requeues preempted jobs itself). Never on 0 (done) or a failure, e.g. a
+# full disk while writing the stop checkpoint: that would requeue forever. The requeued job resumes
+# (SLURM_RESTART_COUNT > 0 adds --resume). REQUEUE=0 turns it off. $1: the step's status (mg_step_status).
 mg_requeue_if_stopped() {
     local status="$1"
     [[ "${REQUEUE:-1}" == 1 && "${MG_SUBCOMMAND:-train}" == train ]] || return 0
-    if [[ "$MG_STOP_SIGNAL" == USR1 || ( -z "$MG_STOP_SIGNAL" && "$status" == 75 ) ]]; then
+    if [[ "$status" == 75 && "$MG_STOP_SIGNAL" != TERM ]]; then
         [[ -n "${SLURM_JOB_ID:-}" ]] || mg_die "stopped early but SLURM_JOB_ID is not set: cannot requeue"
         mg_note "training stopped before the time limit (exit $status): requeueing job $SLURM_JOB_ID; it resumes from the last checkpoint"
         scontrol requeue "$SLURM_JOB_ID"

@@ -117,10 +117,12 @@ def worker_ours(spec: dict, args) -> dict:
 
     torch.set_num_threads(args.threads)
     total = args.warmup + args.steps
+    # A fresh run directory per round: the trainer refuses to start a new run over an old one's.
+    run_dir = tempfile.mkdtemp(prefix="ours.", dir=args.work)
     overrides = [
         *spec["overrides"],
         f"trainer.steps={total}",
-        f"trainer.run_dir={args.work}/ours",
+        f"trainer.run_dir={run_dir}/run",
         "trainer.progress=false",
         "trainer.save_final=false",
         "trainer.ckpt_every=0",

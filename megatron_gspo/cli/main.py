@@ -229,7 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in passthrough:
         return run_command(passthrough[argv[0]], argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
-    return run_command(args.func, args)
+    return _record_exit(run_command(args.func, args))
+
+
+def _record_exit(code: int) -> int:
+    """Writes this rank's exit code to $MG_STATUS_DIR/rank-$RANK when the launch scripts ask for it: torchrun
+    reports workers that stopped with 75 as failed (1) and srun reports the highest code of its tasks, so only the
+    ranks themselves can tell the job "every rank stopped with a checkpoint" (requeue) from a failure."""
+    directory = os.environ.get("MG_STATUS_DIR")
+    if directory:
+        try:
+            Path(directory, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
+        except OSError:  # a full disk: no record reads as "did not stop cleanly", which is the safe side
+            pass
+    return code
 
 
 def run_command(func, args) -> int:

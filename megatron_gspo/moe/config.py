@@ -29,12 +29,18 @@ class MoEConfig:
     the mismatch, every step."""
     drift_sample_sequences: int = 0
     """Sequences used for the drift measurement; 0 = the whole first minibatch."""
+    drift_rollout: bool = False
+    """Also measure the drift accumulated over the rollout batch (pi_old vs the policy after all K optimizer steps,
+    `expert_drift_rollout*`) on drift steps: one more forward of the drift sample per such step, so it is opt-in;
+    the stability benchmark turns it on."""
 
     def __post_init__(self) -> None:
         if self.routing_replay not in ROUTING_REPLAY_MODES:
             raise ValueError(f"moe.routing_replay={self.routing_replay!r} is unknown; choose off, r2 or r3")
         if not _is_int(self.drift_every) or self.drift_every < 0:
             raise ValueError(f"moe.drift_every={self.drift_every!r} must be an integer >= 0 (0 disables drift)")
+        if not isinstance(self.drift_rollout, bool):
+            raise ValueError(f"moe.drift_rollout={self.drift_rollout!r} must be true or false")
         if not _is_int(self.drift_sample_sequences) or self.drift_sample_sequences < 0:
             raise ValueError(
                 f"moe.drift_sample_sequences={self.drift_sample_sequences!r} must be an integer >= 0 "

@@ -6,6 +6,11 @@ fresh worker takes over the rest of the batch. Items travel to a worker in chunk
 per few milliseconds of work (results are flushed at least every FLUSH_S), so a fast reward pays little for its
 deadline (tools/bench_rewards.py measures it against calling the function in-process).
 
+Which call is running, and since when, the worker writes into two shared-memory doubles before each call (a
+pipe message per call would cost more than a fast reward itself). The deadline runs from that start, and a stuck or
+crashing call is the one blamed: the calls that finished before it in its chunk keep the results already received,
+and the few whose results were still unsent (at most FLUSH_S of work) run again in the replacement worker.
+
 Workers are spawned, not forked: the trainer holds threads and process-group sockets. They ignore SIGINT, SIGTERM
 and SIGUSR1 (Ctrl-C and Slurm's signals reach the whole process group; the trainer decides when to stop and still
 needs its rewards for the step it finishes), and die with the trainer: Linux's parent-death signal where available,
@@ -85,9 +90,9 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="reward-worker-orphan-check").start()
 
 
-def _serve(conn, fn_bytes: bytes, parent: int) -> None:
+def _serve(conn, fn_bytes: bytes, parent: int, running) -> None:
     """Worker main loop: `ready`, then for each chunk of (index, response, answer, meta) lists of (index, Outcome),
-    sent every FLUSH_S and when the chunk is done."""
+    sent every FLUSH_S and when the chunk is done. `running` [index, start] names the call in progress."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent(parent)
@@ -106,6 +111,10 @@ def _serve(conn, fn_bytes: bytes, parent: int) -> None:
             return
         done, flushed = [], time.monotonic()
         for index, response, answer, meta in chunk:
+            # Start first, then index: a reader that sees this index twice around its read of the start cannot
+            # get an older call's start (CLOCK_MONOTONIC is one clock for all processes).
+            running[1] = time.monotonic()
+            running[0] = index
             done.append((index, call_reward(fn, response, answer, meta)))
             now = time.monotonic()
             if now - flushed >= FLUSH_S:
@@ -121,8 +130,10 @@ def _serve(conn, fn_bytes: bytes, parent: int) -> None:
 class _Worker:
     def __init__(self, ctx, fn_bytes: bytes, number: int):
         self.conn, child = ctx.Pipe()
+        self.running = ctx.RawArray("d", [-1.0, 0.0])  # [index, monotonic start] of the call in progress
         self.proc = ctx.Process(
-            target=_serve, args=(child, fn_bytes, os.getpid()), name=f"reward-worker-{number}", daemon=False
+            target=_serve, args=(child, fn_bytes, os.getpid(), self.running), name=f"reward-worker-{number}",
+            daemon=False,
         )
         self.proc.start()
         child.close()
@@ -130,6 +141,16 @@ class _Worker:
         self.ready = False
         self.inflight: deque[int] = deque()  # indices sent and not answered yet, in the order they run
         self.deadline = math.inf
+
+    def call_in_progress(self) -> tuple[int, float] | None:
+        """(index, monotonic start) of the call the worker runs now, if it is one of `inflight`; None when it is
+        between calls or has not started this chunk yet."""
+        first = self.running[0]
+        start = self.running[1]
+        if self.running[0] != first or first < 0:
+            return None  # it moved on meanwhile: it is making progress
+        index = int(first)
+        return (index, start) if index in self.inflight else None
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -193,6 +214,7 @@ class RewardPool:
                     ids = [todo.popleft() for _ in range(min(chunk, len(todo)))]
                     w.inflight.extend(ids)
                     w.deadline = now + self.timeout_s
+                    w.running[0] = -1.0  # it is waiting in recv: its last chunk is all answered
                     try:
                         w.conn.send([(i, *items[i]) for i in ids])
                     except OSError:  # it died between two batches: its EOF is read below
@@ -204,10 +226,13 @@ class RewardPool:
                 w = next(x for x in self._workers if x.conn is conn)
                 try:
                     msg = conn.recv()
-                    while msg[0] == "done" and conn.poll():  # everything already there, in one go
-                        more = conn.recv()
-                        msg = (msg[0], msg[1] + more[1]) if more[0] == "done" else more
                 except (EOFError, OSError):
+                    msg = None
+                if msg is not None and msg[0] == "done":
+                    taken, open_ = self._take(w, results, msg[1])  # and everything else already there
+                    remaining -= taken
+                    msg = msg if open_ else None
+                if msg is None:
                     w.proc.join(timeout=5)
                     if not w.ready:
                         self.close()
@@ -221,12 +246,6 @@ class RewardPool:
                 elif msg[0] == "failed":
                     self.close()
                     raise ValueError(f"reward {self.name!r} cannot be loaded in a worker process: {msg[1]}")
-                else:
-                    for index, outcome in msg[1]:
-                        results[index] = outcome
-                        w.inflight.popleft()
-                    remaining -= len(msg[1])
-                    w.deadline = time.monotonic() + self.timeout_s
             now = time.monotonic()
             for w in list(self._workers):
                 if not w.ready and now > w.started + STARTUP_TIMEOUT_S:
@@ -235,16 +254,51 @@ class RewardPool:
                         f"reward {self.name!r}: a worker process did not start within {STARTUP_TIMEOUT_S:.0f} s"
                     )
                 if w.inflight and now > w.deadline:
+                    taken, open_ = self._take(w, results, [])  # results sent just before the deadline count
+                    remaining -= taken
+                    if not (w.inflight and open_):
+                        continue  # all answered, or it died: its EOF is read above
+                    running = w.call_in_progress()
+                    if running is not None and running[1] + self.timeout_s > now:
+                        w.deadline = running[1] + self.timeout_s  # results were late, the call is not
+                        continue
+                    if running is None and taken:
+                        continue  # progress, and no call known to have run too long
                     self.timeouts += 1
                     remaining -= self._lost(w, results, todo, f"timed out after {self.timeout_s:g} s")
         return results  # type: ignore[return-value]
 
+    def _take(self, worker: _Worker, results: list, done: list) -> tuple[int, bool]:
+        """Stores `done` and every result message already waiting in the worker's pipe (one at a time, so an EOF
+        behind them loses none); returns how many items they answered and whether the pipe is still open. The
+        worker's deadline restarts."""
+        count = 0
+        while True:
+            for index, outcome in done:
+                results[index] = outcome
+                worker.inflight.remove(index)
+            count += len(done)
+            if done:
+                worker.deadline = time.monotonic() + self.timeout_s
+            try:
+                if not worker.conn.poll():
+                    return count, True
+                msg = worker.conn.recv()
+            except (EOFError, OSError):
+                return count, False
+            done = msg[1]  # only results follow `ready`
+
     def _lost(self, worker: _Worker, results: list, todo: deque, why: str) -> int:
-        """The call `worker` was running failed (`why`): score it as an error, give the worker's other items back,
-        start a replacement. Returns the number of items finished (1, or 0 when it held none)."""
+        """The call `worker` was running failed (`why`): score it as an error, give the worker's other items back
+        (those that finished before it but whose results were not sent yet run again), start a replacement.
+        Returns the number of items finished (1, or 0 when it held none)."""
         finished = 0
-        if worker.inflight:
-            results[worker.inflight.popleft()] = Outcome(0.0, f"reward call {why}")
+        running = worker.call_in_progress()
+        if running is None and worker.inflight:
+            running = (worker.inflight[0], 0.0)  # it never reported a call of this chunk: blame the first
+        if running is not None:
+            worker.inflight.remove(running[0])
+            results[running[0]] = Outcome(0.0, f"reward call {why}")
             finished = 1
         todo.extendleft(reversed(worker.inflight))
         self._replace(worker)

@@ -12,7 +12,8 @@ A save: every rank writes its files into `iter_N.tmp` (fsynced by their writers)
 succeeded; rank 0 writes trainer_state.json, fsyncs every file and directory of the tree, renames it to `iter_N`,
 fsyncs `checkpoints/`, then writes `latest` the same way. A failure on any rank (a full disk, a killed process)
 leaves no `iter_N` and removes `iter_N.tmp`. Replacing or pruning a directory renames it to `*.trash` first, so a
-kill mid-deletion never leaves a half-deleted `iter_N` behind.
+kill mid-deletion never leaves a half-deleted `iter_N` behind; a replaced copy of the same step is deleted only
+after the new one is renamed into place and `latest` names it.
 
 Each run has a random run id, kept across resumes: pruning deletes only this run's checkpoints.
 """
@@ -149,14 +150,24 @@ class CheckpointManager:
                 fh.flush()
                 os.fsync(fh.fileno())
             fsync_tree(tmp)
+            replaced = None
             if final.exists():  # the same step from an earlier attempt of this run; never another run's
                 owner = (self.read_state(final) or {}).get("run_id", self.run_id)
                 if owner != self.run_id:
                     raise FileExistsError(f"{final} belongs to another run (run id {owner}): move it away")
-                self._discard(final)
-            os.replace(tmp, final)
+                replaced = self._to_trash(final)
+            # The new copy is in place and named before the old one is deleted: a kill while it is deleted
+            # (which takes long for a large checkpoint) leaves a complete iter_N, and the trash for the next save.
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                if replaced is not None:  # put the old copy back: it is still complete
+                    os.replace(replaced, final)
+                raise
             fsync_path(self.root)
             write_durably(self.root / LATEST, final.name + "\n")
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
             self._prune()
 
         self._collective(finish if rank == 0 else None, f"checkpoint {final.name} not completed", tmp)
@@ -199,11 +210,18 @@ class CheckpointManager:
 
     def _discard(self, path: Path) -> None:
         """Removes a directory by renaming it to *.trash first (atomic), then deleting it."""
+        trash = self._to_trash(path)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    @staticmethod
+    def _to_trash(path: Path) -> Path | None:
+        """Renames a directory to a fresh `*.trash` name (never read; deleted by the caller or the next save)."""
         if not path.exists():
-            return
+            return None
         trash = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.trash")
         os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        return trash
 
     # ---- pruning (rank 0, inside save) -----------------------------------------------------------------
     def _prune(self) -> None:

@@ -21,8 +21,10 @@ from megatron_gspo.algorithms import make_policy_loss
 from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
 from megatron_gspo.data.config import DataConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
+from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.rollout.vllm.config import VLLMConfig, engine_logprobs_problem
 from megatron_gspo.training.health import HealthConfig
 from megatron_gspo.training.optim_config import OptimConfig
 
@@ -137,7 +139,9 @@ class TrainerConfig:
     """Token budget per micro-batch (input tokens; slime's max-tokens-per-gpu, verl's dynamic batch size): the
     sequences of a minibatch go into balanced micro-batches of at most this many tokens, as many as needed
     (the same count on every data-parallel rank). 0 = micro_batch_size sequences per micro-batch. Needs
-    batch_layout=packed."""
+    batch_layout=packed. The policy loss is the full-minibatch loss however sequences are grouped; the router aux
+    loss keeps megatron's semantics, a mean over micro-batches of each micro-batch's load-balancing loss, so the
+    grouping changes its gradient (as micro_batch_size does)."""
     batch_layout: str = "packed"
     """packed: the sequences of a micro-batch concatenated into one THD row (no padding compute) | padded: one
     row per sequence, padded to the longest possible (the reference)."""
@@ -237,6 +241,19 @@ class RunConfig:
                 f"rollout.correction.level=token has no effect with loss.algorithm={self.loss.algorithm} (a "
                 "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"
             )
+        drift_rows, t = MoEConfig.from_dict(self.moe).drift_sample_sequences, self.trainer
+        if drift_rows > t.micro_batch_size and drift_rows % t.micro_batch_size and not t.max_tokens_per_micro_batch:
+            # The drift sample goes through the trainer's micro-batches, which hold micro_batch_size sequences each.
+            raise ValueError(
+                f"moe.drift_sample_sequences={drift_rows} must be a multiple of trainer.micro_batch_size="
+                f"{t.micro_batch_size} (or at most it), or set trainer.max_tokens_per_micro_batch"
+            )
+        r = self.rollout
+        if r.engine == "vllm" and r.old_logprobs == "engine":
+            mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
+            problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)
+            if problem:  # pi_old would not be the distribution the trainer's ratio divides by (paper §5.4)
+                raise ValueError(problem)
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-serialisable)."""

@@ -76,6 +76,14 @@ class HealthMonitor:
             )
         return {"health_zero_grad": float(zero_grad), "health_no_signal": float(not has_signal)}
 
+    def state_dict(self) -> dict:
+        """The open streaks, saved with the loop state: a resumed run continues its windows."""
+        return {"zero_grad_steps": self.zero_grad_steps, "no_signal_steps": self.no_signal_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.zero_grad_steps = int(state.get("zero_grad_steps", 0))
+        self.no_signal_steps = int(state.get("no_signal_steps", 0))
+
     def _report(self, message: str) -> None:
         if self.cfg.stop:
             self.failure = f"{message}; stopped (health.stop=true)"

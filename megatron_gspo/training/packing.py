@@ -13,7 +13,9 @@ The padding is one more segment in `cu_seqlens` (so every token belongs to a seg
 either spec, and RoPE's per-segment split covers all T tokens), is marked in `padding_mask` (kept out of the
 router's statistics) and holds no loss position. RoPE positions restart at every segment (megatron applies
 RoPE per cu_seqlens segment; position ids are given restarting too). `cu_seqlens` is int32 on the tokens' device
-and `max_seqlen` a Python int (TE's and megatron's THD contract; no device sync inside the model).
+and `max_seqlen` a Python int (TE's and megatron's THD contract). Our local attention takes its blocks from the
+host-side lengths; megatron's unfused THD RoPE still reads `cu_seqlens` back to the host (`.tolist()`) in each
+layer, a device sync per layer on GPU unless RoPE fusion is on.
 
 Response tokens: `response_index_A` are the flat positions b * P + p of the label positions of response tokens, in
 the row-major order of loss_mask_NS (sequence by sequence), so values computed there scatter back into [n, S] with

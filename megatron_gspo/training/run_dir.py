@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from megatron_gspo.checkpoint.durable import fsync_path
+
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints")
@@ -33,7 +35,7 @@ RESUMABLE = {
     "trainer.progress": "progress bar",
     "trainer.run_dir": "the run directory may have moved",
     "trainer.hang_warning_s": "hang warnings",
-    "trainer.micro_batch_size": "memory: changes float rounding only",
+    "trainer.micro_batch_size": "memory: changes float rounding only (not with model.router_aux_loss_coef > 0)",
     "model.recompute": "memory: activation recompute is exact",
     "model.load": "unused on resume: the weights come from the checkpoint",
     "eval.every": "evaluation cadence",
@@ -43,6 +45,11 @@ RESUMABLE = {
     "scoring.timeout_s": "reward call timeout",
     "scoring.max_error_frac": "reward failure threshold",
     "sglang.*": "rollout servers: addresses, ports, resources (a requeued job runs on other nodes)",
+    **dict.fromkeys(
+        [f"vllm.{key}" for key in ("mode", "urls", "num_servers", "host", "port_base", "master_address", "python",
+                                   "log_dir", "weight_sync_dir", "cpu_threads", "cpu_threads_bind")],
+        "where the vLLM servers run and how they are reached (a requeued job runs on other nodes)",
+    ),  # fmt: skip
 }
 """Config keys (fnmatch patterns) a resumed run may change, and why that is safe."""
 
@@ -59,6 +66,12 @@ RESHARDABLE = {
 }
 """Keys a resumed run may also change when its checkpoint is reshardable (format 2: model and optimizer state in
 dist_checkpointing, read by any layout): the layout, and how gradient and parameter communication overlaps."""
+
+PER_MICRO_BATCH = ("trainer.micro_batch_size",)
+"""Keys that change the objective when the router's load-balancing loss is on: megatron computes it per micro-batch
+(N_E * sum_i f_i P_i over that micro-batch's tokens, Switch Transformer Eq. 4), and its gradient is the mean over
+micro-batches (engine.forward_backward), so other micro-batches are another loss, not only other rounding.
+(`trainer.max_tokens_per_micro_batch` is not in RESUMABLE at all.)"""
 
 
 def check_new_run_dir(run_dir: Path) -> None:
@@ -127,11 +140,18 @@ def resumable(key: str, *, reshardable: bool = False) -> bool:
 
 
 def check_resume_config(
-    saved_text: str, current: dict, checkpoint: Path, step: int, *, reshardable: bool = False
+    saved_text: str,
+    current: dict,
+    checkpoint: Path,
+    step: int,
+    *,
+    router_aux_loss_coef: float = 0.0,
+    reshardable: bool = False,
 ) -> list[str]:
     """Raises ValueError (one line) when the current config differs from the checkpoint's in keys a resumed run
-    cannot change (RESUMABLE, and RESHARDABLE for a `reshardable` checkpoint), or asks for fewer steps than were
-    done; returns the allowed changes as 'key: old -> new'."""
+    cannot change (RESUMABLE, and RESHARDABLE for a `reshardable` checkpoint; PER_MICRO_BATCH too when the model's
+    `router_aux_loss_coef` > 0), or asks for fewer steps than were done; returns the allowed changes as
+    'key: old -> new'."""
     try:
         saved = yaml.safe_load(saved_text)
     except yaml.YAMLError as err:
@@ -140,6 +160,14 @@ def check_resume_config(
         raise ValueError(f"{checkpoint}/run_config.yaml does not hold a run config")
     changes = config_changes(saved, current)
     refused = [c for c in changes if not resumable(c[0], reshardable=reshardable)]
+    if router_aux_loss_coef > 0:
+        per_micro = [c for c in changes if c[0] in PER_MICRO_BATCH]
+        if per_micro:
+            k, old, new = per_micro[0]
+            raise ValueError(
+                f"--resume: {k}: {old!r} -> {new!r} changes the load-balancing loss, which is computed per "
+                f"micro-batch (model.router_aux_loss_coef={router_aux_loss_coef:g} > 0): keep {k}={old!r}"
+            )
     if refused:
         listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in refused)
         allowed = [*RESUMABLE, *(RESHARDABLE if reshardable else ())]
@@ -190,5 +218,6 @@ def trim_log(path: Path, last_step: int) -> int:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        fsync_path(path.parent)  # the cut is durable before the run appends to the log again
         log.info("%s: kept %d rows up to step %d, dropped %d", path, len(kept), last_step, dropped)
     return dropped

@@ -115,6 +115,7 @@ def plan_runs(
             out / v / f"seed{s}",
             [
                 *variant_overrides(v, base),
+                "moe.drift_rollout=true",  # the report's drift per rollout batch; the user's extras may turn it off
                 f"trainer.seed={s}",
                 *extra,
                 f"trainer.run_dir={out / v / f'seed{s}'}",

@@ -118,12 +118,14 @@ class GSPOTrainer:
     # ---- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Loop state saved with each checkpoint (beside model, optimizer and RNG states)."""
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "summary": self.summary}
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "summary": self.summary,
+                "health": self.health.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state.get("summary", {}))
+        self.health.load_state_dict(state.get("health", {}))  # absent in checkpoints of older versions
 
     # ---- resume (run directory checks, config compatibility, logs) -------------------------------------
     def _resume_point(self, resume: bool) -> tuple[Path, dict] | None:
@@ -145,8 +147,9 @@ class GSPOTrainer:
             )
         saved = path / RUN_CONFIG
         if saved.is_file():
+            aux = self.cfg.model.model_config().router_aux_loss_coef
             for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"],
-                                              reshardable=True):
+                                              router_aux_loss_coef=aux, reshardable=True):
                 log.info("resume: %s", change)
         else:
             log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
@@ -363,7 +366,7 @@ class GSPOTrainer:
                     "lr": self.rt.optimizer.param_groups[0]["lr"],
                 }
             )
-        if drift and t.minibatches > 1:
+        if drift and t.minibatches > 1 and self.moe.drift_rollout:
             # pi_old vs the policy after all K steps (the next rollout batch's pi_old): the drift accumulated over
             # the rollout batch, beside the per-step drift above (stability benchmark).
             drift.update(self.measure_drift(batch, prefix="expert_drift_rollout"))

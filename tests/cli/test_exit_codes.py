@@ -44,3 +44,16 @@ def test_bugs_still_raise():
         run_command(_raise(ZeroDivisionError("a bug")), None)
     with pytest.raises(SystemExit):
         run_command(_raise(SystemExit(2)), None)  # argparse's own exits pass through
+
+
+def test_each_rank_records_its_exit_code_for_the_launch_scripts(tmp_path, monkeypatch):
+    # launch/common.sh mg_step_status reads these: torchrun turns a worker's 75 into 1, srun reports the highest.
+    from megatron_gspo.cli.main import main
+
+    monkeypatch.setenv("MG_STATUS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    assert main(["plot", str(tmp_path / "no_such_run")]) == 2
+    assert (tmp_path / "rank-3").read_text() == "2\n"
+    monkeypatch.delenv("MG_STATUS_DIR")
+    (tmp_path / "rank-3").unlink()
+    assert main(["plot", str(tmp_path / "no_such_run")]) == 2 and not (tmp_path / "rank-3").exists()

@@ -1,6 +1,7 @@
 """launch/: stop signals and requeue. Real (non-dry) runs against stubs: `srun` runs the tasks locally and passes
-signals on (as Slurm's does), `python` plays torchrun with one worker that records the signals it gets and exits
-75 (the trainer's "stopped with a checkpoint"), `scontrol` records requeue requests."""
+signals on (as Slurm's does), `python` plays torchrun with one worker per GPU that records the signals it gets and
+exits 75 (the trainer's "stopped with a checkpoint"; USR1_EXITS sets other codes per rank), recording its code in
+$MG_STATUS_DIR as the trainer does, `scontrol` records requeue requests."""
 
 from __future__ import annotations
 
@@ -34,29 +35,42 @@ for task in range(ntasks):  # the tasks run side by side, as under Slurm
     env = dict(os.environ, SLURM_NODEID=str(task // per_node), SLURM_PROCID=str(task),
                SLURM_LOCALID=str(task % per_node), SLURM_NTASKS=str(ntasks))
     current.append(subprocess.Popen(args, env=env))
-sys.exit(max(p.wait() for p in current))
+sys.exit(max(p.wait() for p in current))  # Slurm's srun: the highest exit code of its tasks
 """
 
 WORKER = """#!/bin/bash
-# A training rank: stops "after the step" on USR1 / TERM with exit 75.
-RANK_TAG="${RANK_TAG:-${SLURM_PROCID:-0}}"
-trap 'echo "worker $RANK_TAG got USR1" >> "$LOG"; exit 75' USR1
-trap 'echo "worker $RANK_TAG got TERM" >> "$LOG"; exit 75' TERM
+# A training rank: stops "after the step" on USR1 / TERM with exit 75 (on USR1: the RANK-th code of USR1_EXITS,
+# e.g. 1 for a full disk while writing the checkpoint, 0 for a run that ended anyway), recorded like the trainer.
+RANK_TAG="${RANK:-${SLURM_PROCID:-0}}"
+read -r -a codes <<<"${USR1_EXITS:-75 75}"
+stop() { echo "worker $RANK_TAG got $1" >> "$LOG"; echo "$2" > "$MG_STATUS_DIR/rank-$RANK_TAG"; exit "$2"; }
+trap 'stop USR1 "${codes[RANK_TAG]}"' USR1
+if [[ "${MG_SUBCOMMAND:-train}" == sft ]]; then  # SFT has no stop handler: SIGTERM kills it
+    trap 'echo "worker $RANK_TAG got TERM" >> "$LOG"; trap - TERM; kill -TERM $$' TERM
+else
+    trap 'stop TERM 75' TERM
+fi
 echo "worker $RANK_TAG started" >> "$LOG"
 while :; do sleep 0.05; done
 """
 
 TORCHRUN = """#!/bin/bash
-# Plays `python -m torch.distributed.run ...`: one worker; a failed worker fails torchrun (exit 1).
+# Plays `python -m torch.distributed.run ...`: one worker per GPU (RANK set); a failed worker fails torchrun (exit 1).
 echo "launcher $*" >> "$LOG"
 trap 'echo "launcher got USR1" >> "$LOG"' USR1
 trap 'echo "launcher got TERM" >> "$LOG"' TERM
-RANK_TAG="${SLURM_PROCID:-0}" "$WORKER" &
-pid=$!
-status=0
-wait "$pid" || status=$?
-while (( status > 128 )) && kill -0 "$pid" 2>/dev/null; do status=0; wait "$pid" || status=$?; done
-(( status == 0 )) || exit 1
+nproc=1
+for arg in "$@"; do [[ "$arg" != --nproc-per-node=* ]] || nproc="${arg#*=}"; done
+pids=()
+for ((r = 0; r < nproc; r++)); do RANK=$((SLURM_PROCID * nproc + r)) "$WORKER" & pids+=($!); done
+failed=0
+for pid in "${pids[@]}"; do
+    status=0
+    wait "$pid" || status=$?
+    while (( status > 128 )) && kill -0 "$pid" 2>/dev/null; do status=0; wait "$pid" || status=$?; done
+    (( status == 0 )) || failed=1
+done
+exit "$failed"
 """
 
 
@@ -92,7 +106,7 @@ def job(tmp_path):
         proc = subprocess.Popen(["bash", str(LAUNCH / "train.sbatch")], cwd=tmp_path, env={**env, **extra},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 60
-        ranks = 2 if extra.get("LAUNCHER") == "srun" else 1
+        ranks = 2  # SLURM_GPUS_ON_NODE: one rank per GPU under both launchers
         while log.read_text().count("started") < ranks:
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
             time.sleep(0.05)
@@ -115,11 +129,25 @@ def test_usr1_before_the_time_limit_stops_the_ranks_and_requeues(job, launcher):
     status, out = _finish(proc)
     events = log.read_text().splitlines()
     assert status == 75, out
-    assert "worker 0 got USR1" in events
-    assert launcher == "torchrun" or "worker 1 got USR1" in events  # one task per GPU: both ranks
+    assert "worker 0 got USR1" in events and "worker 1 got USR1" in events  # one rank per GPU: both
     assert "launcher got USR1" not in events and "launcher got TERM" not in events  # torchrun is left alone
     assert "scontrol requeue 7" in events
     assert "requeueing job 7" in out
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+@pytest.mark.parametrize("exits, expected", [("0 0", 0), ("1 1", 1), ("75 1", 1), ("1 75", 1)])
+def test_only_a_stop_with_a_checkpoint_on_every_rank_requeues(job, launcher, exits, expected):
+    # After USR1 the ranks ended 0 (done anyway), 1 (e.g. the disk filled while writing the stop checkpoint), or
+    # one stopped and the other failed: the job keeps that status and is not requeued (it would fail again, forever).
+    start, log = job
+    proc = start(LAUNCHER=launcher, USR1_EXITS=exits, **({"PYTHON": "worker"} if launcher == "srun" else {}))
+    proc.send_signal(signal.SIGUSR1)
+    status, out = _finish(proc)
+    events = log.read_text().splitlines()
+    assert "worker 0 got USR1" in events and "worker 1 got USR1" in events, out
+    assert status == expected, out
+    assert not any(e.startswith("scontrol") for e in events), out
 
 
 def test_sigterm_stops_the_ranks_without_a_requeue(job):
@@ -143,6 +171,7 @@ def test_sft_rides_out_usr1_and_stops_on_sigterm(job):
     events = log.read_text().splitlines()
     assert "ignoring SIGUSR1" in out and "worker 0 got USR1" not in events
     assert "worker 0 got TERM" in events and not any(e.startswith("scontrol") for e in events)
+    assert status != 75, out  # SFT has no stop handler: it was killed, it did not stop with a checkpoint
 
 
 def test_a_requeued_job_resumes(tmp_path):

@@ -7,7 +7,7 @@ from megatron_gspo.moe import ROUTING_REPLAY_MODES, MoEConfig
 
 def test_defaults_and_properties():
     cfg = MoEConfig()
-    assert (cfg.routing_replay, cfg.drift_every, cfg.drift_sample_sequences) == ("off", 1, 0)
+    assert (cfg.routing_replay, cfg.drift_every, cfg.drift_sample_sequences, cfg.drift_rollout) == ("off", 1, 0, False)
     assert not cfg.replays and cfg.needs_router_replay  # drift is measured by default, which records routes
     assert not MoEConfig(drift_every=0).needs_router_replay
     assert MoEConfig(routing_replay="r3", drift_every=0).needs_router_replay
@@ -28,6 +28,7 @@ def test_measure_drift_every_n_steps():
         (dict(drift_every=1.5), "moe.drift_every"),
         (dict(drift_every=True), "moe.drift_every"),
         (dict(drift_sample_sequences=-2), "moe.drift_sample_sequences"),
+        (dict(drift_rollout="yes"), "moe.drift_rollout"),
     ],
 )
 def test_invalid_values_name_the_key(kwargs, key):

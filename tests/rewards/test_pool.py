@@ -33,6 +33,29 @@ def test_a_hanging_call_times_out_and_the_rest_is_scored(caplog):
     assert any("timed out after 0.5 s" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("fn, bad, why", [(misbehaving.sleepy, "hang", "timed out after 0.5 s"),
+                                           (misbehaving.dies, "die", "exit code 9")])
+def test_only_the_stuck_call_fails_when_fast_calls_ran_before_it_in_its_chunk(fn, bad, why):
+    # One worker, 64 items: chunks of 16, so items 0..9 finish (in microseconds, before any flush) in the same chunk
+    # as the call that hangs or kills its worker. That call alone is the error; the finished ones keep their values,
+    # and it costs one timeout (one restart), not one per item that ran before it.
+    responses = [f"r{i}" for i in range(64)]
+    responses[10] = bad
+    answers = list(responses)
+    answers[3] = "other"
+    rewards, (calls, errors, first), scorer = _scored(
+        fn, responses, scoring=ScoringConfig(workers=1, timeout_s=0.5), answers=answers
+    )
+    expected = [1.0] * 64
+    expected[10] = 0.0
+    if fn is misbehaving.sleepy:
+        expected[3] = 0.0  # exact match against a different answer: a real 0, not an error
+    assert rewards == expected
+    assert (calls, errors) == (64, 1), first
+    assert f"failed on {bad!r}" in first and why in first
+    assert scorer.pool.restarts == 1 and scorer.pool.timeouts == (1 if fn is misbehaving.sleepy else 0)
+
+
 def test_a_pure_python_loop_times_out():
     rewards, (calls, errors, first), _ = _scored(misbehaving.spins, ["a", "loop", "b"])
     assert rewards == [1.0, 0.0, 1.0] and errors == 1 and "timed out" in first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from tests.training.test_end_to_end import MINI
@@ -73,3 +74,33 @@ def disk_full_on_one_rank(run_dir: str, fragment: str, rank_full: int, extra=())
         )
     finally:
         trainer.close()
+
+
+def killed_while_deleting_the_old_copy(root: str, phase: str) -> None:
+    """`kill`: saves steps 4 and 5 (keep_last=1), then step 5 again (a stop on the last step, requeued, saves it
+    once more), killed (os._exit, as SIGKILL) while the replaced copy is being deleted; `next`: the next save, of
+    step 6. Run as `python -m tests.training.checkpoint_ranks ROOT PHASE`."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_gspo.training.checkpoint import CheckpointManager
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg_{phase}", rank=0, world_size=1)
+    manager = CheckpointManager(Path(root) / "checkpoints", keep_last=1, run_id="run")
+    steps = ((4, "four"), (5, "five"), (5, "five again")) if phase == "kill" else ((6, "six"),)
+    for step, text in steps:
+        if text == "five again":
+            real = shutil.rmtree
+
+            def killed(path, *args, **kwargs):
+                if Path(path).name.startswith("iter_0000005.") and str(path).endswith(".trash"):
+                    os._exit(137)
+                return real(path, *args, **kwargs)
+
+            shutil.rmtree = killed
+        manager.save(step, lambda tmp, text=text: (tmp / "data.txt").write_text(text), {"step": step})
+
+
+if __name__ == "__main__":
+    killed_while_deleting_the_old_copy(sys.argv[1], sys.argv[2])

@@ -146,3 +146,25 @@ def test_a_save_replaces_its_own_step_but_never_another_runs(tmp_path):
     assert "belongs to another run (run id theirs): move it away" in out["error"]
     assert out["entries"] == ["iter_0000003", "iter_0000004", "latest"]
     assert json.loads((tmp_path / "c" / "iter_0000004" / "trainer_state.json").read_text())["run_id"] == "theirs"
+
+
+def test_a_kill_while_the_replaced_copy_of_a_step_is_deleted_leaves_that_step_complete(tmp_path):
+    # The old iter_5 goes to trash, the new one is renamed into place and named by `latest`, and only then is the
+    # trash deleted: a kill during the deletion (SIGKILL after KillWait) leaves the new iter_5, and the next save
+    # removes the stale trash.
+    from megatron_gspo.training.checkpoint import CheckpointManager
+
+    def phase(name):
+        return subprocess.run([sys.executable, "-m", "tests.training.checkpoint_ranks", str(tmp_path), name],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+
+    res = phase("kill")
+    assert res.returncode == 137, res.stderr[-3000:]
+    root = tmp_path / "checkpoints"
+    assert any(p.name.endswith(".trash") for p in root.iterdir())  # killed mid-deletion, as intended
+    path, state = CheckpointManager(root, keep_last=1, run_id="run").find_latest()
+    assert path.name == "iter_0000005" and state["step"] == 5 and (root / "latest").read_text() == "iter_0000005\n"
+    assert (path / "data.txt").read_text() == "five again"
+    res = phase("next")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(os.listdir(root)) == ["iter_0000006", "latest"]

@@ -77,3 +77,16 @@ def test_health_windows_warn_once_per_streak(caplog):
     stopping = HealthMonitor(HealthConfig(no_signal_window=1, stop=True))
     stopping.observe(4, [1.0], False, 0.0)
     assert stopping.failure.startswith("step 4: no learning signal for 1 steps") and "health.stop=true" in stopping.failure
+
+
+def test_health_streaks_continue_across_a_resume():
+    # Two zero-gradient steps before the checkpoint and one after it fill a window of 3 (a resume used to restart it).
+    before = HealthMonitor(HealthConfig(zero_grad_window=3, stop=True))
+    for step in (1, 2):
+        before.observe(step, [0.0], True, 0.5)
+    state = json.loads(json.dumps(before.state_dict()))  # as trainer_state.json holds it
+    after = HealthMonitor(HealthConfig(zero_grad_window=3, stop=True))
+    after.load_state_dict(state)
+    after.observe(3, [0.0], True, 0.5)
+    assert after.failure is not None and after.failure.startswith("step 3: the policy looks dead: zero gradient for 3")
+    HealthMonitor(HealthConfig()).load_state_dict({})  # a checkpoint without it: fresh streaks

@@ -51,6 +51,16 @@ def test_bad_values_name_the_key(override, message):
         load_run_config(EXAMPLE, [override])
 
 
+def test_the_drift_sample_must_fill_whole_micro_batches():
+    """It runs in micro-batches of micro_batch_size sequences: 6 of 4 crashed at the first drift step, after a
+    rollout; a multiple, a smaller sample or a token budget are fine."""
+    with pytest.raises(ValueError, match=r"moe\.drift_sample_sequences=6 must be a multiple of trainer\.micro_batch_size=4"):
+        load_run_config(EXAMPLE, ["moe.drift_sample_sequences=6", "trainer.micro_batch_size=4"])
+    for ok in (["moe.drift_sample_sequences=8"], ["moe.drift_sample_sequences=3"],
+               ["moe.drift_sample_sequences=6", "trainer.max_tokens_per_micro_batch=64"]):
+        load_run_config(EXAMPLE, ["trainer.micro_batch_size=4", *ok])
+
+
 def test_token_budget_needs_packed_micro_batches():
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch needs trainer.batch_layout=packed"):
         load_run_config(EXAMPLE, ["trainer.batch_layout=padded", "trainer.max_tokens_per_micro_batch=64"])
@@ -90,3 +100,34 @@ def test_token_level_correction_is_refused_for_the_sequence_level_gspo_loss():
     for algorithm in ("gspo_token", "grpo"):  # token-level losses take the weights
         assert load_run_config(EXAMPLE, [f"loss.algorithm={algorithm}", "rollout.correction.level=token"])
     assert load_run_config(EXAMPLE, ["rollout.correction.level=sequence"]).rollout.correction.level == "sequence"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.top_p=0.9"], r"vllm\.logprobs_mode=processed_logprobs and rollout\.top_p=0\.9 / rollout\.top_k=0"),
+        (["rollout.top_k=20"], r"rollout\.top_p=1 / rollout\.top_k=20: vLLM's processed_logprobs are renormalised"),
+        (["vllm.logprobs_mode=processed_logprobs", "rollout.top_p=0.5", "rollout.temperature=0.7"], r"top_p=0\.5"),
+        (["vllm.logprobs_mode=raw_logprobs", "rollout.temperature=0.7"], r"at temperature 1, the trainer's are at rollout\.temperature=0\.7"),
+    ],
+)  # fmt: skip
+def test_vllm_engine_logprobs_that_are_not_the_trainers_pi_old_are_refused(overrides, message):
+    """vLLM's processed_logprobs are renormalised after top-k / top-p and its raw_logprobs are at temperature 1:
+    neither is the full softmax at rollout.temperature the trainer's ratio uses when they serve as pi_old."""
+    engine = ["rollout.engine=vllm", "rollout.old_logprobs=engine"]
+    with pytest.raises(ValueError, match=message):
+        load_run_config(EXAMPLE, [*engine, *overrides])
+    # the same sampling with the trainer's own pi_old, or through SGLang (log softmax(logits / T) before
+    # top-k / top-p), is a valid run
+    assert load_run_config(EXAMPLE, ["rollout.engine=vllm", "rollout.old_logprobs=recompute", *overrides])
+    sglang = [o for o in overrides if not o.startswith("vllm.")]
+    assert load_run_config(EXAMPLE, ["rollout.engine=sglang", "rollout.old_logprobs=engine", *sglang])
+
+
+def test_vllm_engine_logprobs_that_are_the_trainers_pi_old_are_accepted():
+    engine = ["rollout.engine=vllm", "rollout.old_logprobs=engine"]
+    for overrides in (
+        ["rollout.temperature=0.7"],  # processed_logprobs: temperature applied, nothing filtered
+        ["vllm.logprobs_mode=raw_logprobs", "rollout.top_p=0.9", "rollout.top_k=20"],  # T=1: full softmax
+    ):
+        assert load_run_config(EXAMPLE, [*engine, *overrides]).rollout.old_logprobs == "engine"

@@ -97,6 +97,9 @@ def test_resume_cuts_the_logs_to_the_checkpoint_and_continues_exactly(run, base_
     evals = [r["step"] for r in _rows(run / "eval.jsonl")]
     assert evals == [0, 4]  # before RL; base's step-3 "after" eval cut; eval.every=2 has no step < 4 left but 4
     assert "resume: eval.every: 0 -> 2" in res.stderr and "resume: trainer.steps: 3 -> 4" in res.stderr
+    for state in (ckpts / "iter_0000002", ckpts / "iter_0000004"):  # the health streaks travel with the loop state
+        health = json.loads((state / "trainer_state.json").read_text())["health"]
+        assert set(health) == {"zero_grad_steps", "no_signal_steps"}, health
 
 
 def test_plot_names_the_file_and_line_of_a_bad_row(run):
@@ -187,6 +190,8 @@ def test_config_changes_compare_like_for_like():
     b = load_run_config("examples/tiny_moe_gspo.yaml", ["moe.routing_replay=off", "sglang.urls=[http://x:1]"]).to_dict()
     assert config_changes(a, b) == [("sglang.urls", "<unset>", ["http://x:1"])]  # moe defaults filled in
     assert resumable("sglang.urls") and resumable("trainer.steps") and not resumable("optim.lr")
+    assert resumable("vllm.urls") and resumable("vllm.port_base") and resumable("vllm.mode")  # a requeued job
+    assert not resumable("vllm.logprobs_mode") and not resumable("vllm.capture_routes")  # what pi_old / R3 are
     assert not resumable("trainer.seed") and not resumable("moe.routing_replay")
 
 
@@ -200,3 +205,70 @@ def test_demo_refuses_a_previous_demo_without_overwrite(tmp_path):
     line = _one_line_error(res)
     assert "holds a previous demo: pass --overwrite" in line
     assert (run / "sft_model" / "config.json").read_text() == "{}"
+
+
+def test_micro_batching_may_change_on_resume_only_without_the_load_balancing_loss(tmp_path):
+    import yaml
+
+    from megatron_gspo.training.config import load_run_config
+    from megatron_gspo.training.run_dir import check_resume_config
+
+    saved = load_run_config("examples/tiny_moe_gspo.yaml").to_dict()
+    text = yaml.safe_dump(saved)
+    smaller = load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.micro_batch_size=4"]).to_dict()
+    ckpt = tmp_path / "iter_0000003"
+    assert check_resume_config(text, smaller, ckpt, 3, router_aux_loss_coef=0.0) == [
+        "trainer.micro_batch_size: 128 -> 4"
+    ]
+    with pytest.raises(ValueError, match=r"trainer\.micro_batch_size: 128 -> 4 changes the load-balancing loss.*"
+                                         r"router_aux_loss_coef=0\.001 > 0\): keep trainer\.micro_batch_size=128"):
+        check_resume_config(text, smaller, ckpt, 3, router_aux_loss_coef=0.001)
+    packed = load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.batch_layout=packed"]).to_dict()
+    budget = load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.batch_layout=packed",
+                                                             "trainer.max_tokens_per_micro_batch=64"]).to_dict()
+    with pytest.raises(ValueError, match=r"trainer\.max_tokens_per_micro_batch: 0 -> 64"):
+        check_resume_config(yaml.safe_dump(packed), budget, ckpt, 3, router_aux_loss_coef=0.0)
+
+
+def test_train_refuses_other_micro_batches_on_resume_with_the_load_balancing_loss(tmp_path):
+    # The trainer passes the model's resolved coefficient (preset + overrides): a checkpoint of a run with
+    # router_aux_loss_coef=0.001 (refused before any model is built, so a stand-in checkpoint is enough).
+    import yaml
+
+    from megatron_gspo.training.config import load_run_config
+
+    aux = ["model.overrides={vocab_size: 16, router_aux_loss_coef: 0.001}"]
+    saved = load_run_config("examples/tiny_moe_gspo.yaml", [*MINI, *aux]).to_dict()
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r", "world_size": 1}))
+    (ckpt / "run_config.yaml").write_text(yaml.safe_dump({**saved, "trainer": {**saved["trainer"],
+                                                                                "run_dir": str(tmp_path / "run")}}))
+    (ckpt.parent / "latest").write_text("iter_0000002\n")
+    line = _one_line_error(_cli(*TRAIN, *aux, f"trainer.run_dir={tmp_path / 'run'}", "trainer.micro_batch_size=4",
+                                "--resume", ok=False))
+    assert "trainer.micro_batch_size: 8 -> 4 changes the load-balancing loss" in line
+
+
+def test_trim_log_and_latest_are_durable_and_a_stale_tmp_is_harmless(tmp_path, monkeypatch):
+    import os
+
+    from megatron_gspo.checkpoint.durable import write_durably
+    from megatron_gspo.training.run_dir import trim_log
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    log = tmp_path / "metrics.jsonl"
+    (tmp_path / "metrics.jsonl.tmp").write_text("left by a killed run")
+    log.write_text('{"step": 1}\n{"step": 2}\n')
+    assert trim_log(log, 1) == 1
+    assert events.index(("replace", str(log))) < events.index(("fsync", str(tmp_path.resolve())))
+    assert log.read_text() == '{"step": 1}\n' and not (tmp_path / "metrics.jsonl.tmp").exists()
+    (tmp_path / "latest.tmp").write_text("iter_0000009 and garbage")  # a write of `latest` that failed
+    events.clear()
+    write_durably(tmp_path / "latest", "iter_0000002\n")
+    assert events.index(("replace", str(tmp_path / "latest"))) < events.index(("fsync", str(tmp_path.resolve())))
+    assert (tmp_path / "latest").read_text() == "iter_0000002\n" and not (tmp_path / "latest.tmp").exists()

@@ -103,6 +103,23 @@ class TorchUpdateGroup:
         self._store = None
 
 
+def update_group_store(
+    *, master_address: str, master_port: int, world_size: int, group_name: str, timeout: datetime.timedelta
+) -> tuple[Any, Any]:
+    """Hosts the weight-update group's TCP store (rank 0) -> (the store, the store its backend gets less the
+    per-device prefix).
+
+    The keys are prefixed exactly as on the server side: SGLang's `init_custom_process_group` wraps the rendezvous
+    store in PrefixStore(group_name), torch's process-group helper adds f"{group_name}/", and the per-device
+    backend adds "cuda/" (NCCL) or "cpu/" (gloo; tests/rollout/sglang/test_conformance.py joins SGLang's own
+    function over gloo against this layout).
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(master_address, master_port, world_size, True, timeout)
+    return store, PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+
+
 def join_update_group(
     *,
     master_address: str,
@@ -112,13 +129,9 @@ def join_update_group(
     timeout_s: float,
     device: torch.device,
 ) -> TorchUpdateGroup:
-    """Joins the NCCL weight-update group as rank 0, hosting its TCP store; blocks until every server rank joined.
-
-    The store keys are prefixed exactly as on the server side: SGLang's `init_custom_process_group` wraps the
-    rendezvous store in PrefixStore(group_name), torch's process-group helper adds f"{group_name}/" and the
-    per-device backend adds "cuda/". Rank 0 publishes the NCCL unique id under that prefix.
-    """
-    from torch.distributed import PrefixStore, TCPStore
+    """Joins the NCCL weight-update group as rank 0, hosting its TCP store (update_group_store); blocks until every
+    server rank joined. Rank 0 publishes the NCCL unique id under the store's prefix."""
+    from torch.distributed import PrefixStore
 
     if device.type != "cuda":
         raise RuntimeError(
@@ -126,8 +139,13 @@ def join_update_group(
             "use sglang.weight_sync=disk or shm"
         )
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, master_port, world_size, True, timeout)
-    prefixed = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+    store, prefixed = update_group_store(
+        master_address=master_address,
+        master_port=master_port,
+        world_size=world_size,
+        group_name=group_name,
+        timeout=timeout,
+    )
     opts = torch.distributed.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     opts.is_high_priority_stream = False

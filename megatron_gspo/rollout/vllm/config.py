@@ -14,6 +14,33 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 TRAINER_WEIGHTS = "trainer"
 
 
+def engine_logprobs_problem(logprobs_mode: str, temperature: float, top_p: float, top_k: int) -> str | None:
+    """Why vLLM's sample log-probs cannot be pi_old here (rollout.old_logprobs=engine), or None.
+
+    The trainer's pi_old / pi_theta is the full softmax of logits / rollout.temperature (training/batch.py).
+    vLLM 0.32 (v1/sample/sampler.py `Sampler.forward`, config/model.py `logprobs_mode`): 'processed_logprobs' are
+    taken after temperature *and* top-k / top-p, i.e. renormalised over the kept tokens; 'raw_logprobs' are the
+    full softmax at temperature 1. (SGLang 0.5.9 / 0.5.23 report log softmax(logits / T) before top-k / top-p,
+    layers/sampler.py: the trainer's distribution, so it needs no such check.)
+    """
+    filtered = top_p < 1.0 or top_k > 0
+    if logprobs_mode == "processed_logprobs" and filtered:
+        return (
+            f"rollout.old_logprobs=engine with vllm.logprobs_mode=processed_logprobs and rollout.top_p={top_p:g} / "
+            f"rollout.top_k={top_k}: vLLM's processed_logprobs are renormalised over the top-k / top-p tokens, "
+            "not the full softmax the trainer computes; use rollout.old_logprobs=recompute, rollout.top_p=1 and rollout.top_k=0, or "
+            "vllm.logprobs_mode=raw_logprobs with rollout.temperature=1"
+        )
+    if logprobs_mode == "raw_logprobs" and temperature != 1.0:
+        return (
+            f"rollout.old_logprobs=engine with vllm.logprobs_mode=raw_logprobs: vLLM reports log-probs at "
+            f"temperature 1, the trainer's are at rollout.temperature={temperature:g}; use "
+            "vllm.logprobs_mode=processed_logprobs (with rollout.top_p=1, rollout.top_k=0) or "
+            "rollout.old_logprobs=recompute"
+        )
+    return None
+
+
 @dataclass
 class VLLMConfig(ServerConfig):
     """vLLM servers used for rollouts (REFERENCE.md §9); vLLM lives in its own environment (`make rollout-env`)."""
@@ -45,7 +72,8 @@ class VLLMConfig(ServerConfig):
     """GPU: fraction of memory vLLM may take (0: vLLM's default)."""
     logprobs_mode: str = "processed_logprobs"
     """Which log-probs the server reports: 'processed_logprobs' = after temperature (and top-k / top-p, which
-    renormalise: keep them off when the engine's log-probs serve as pi_old); 'raw_logprobs' = temperature 1."""
+    renormalise); 'raw_logprobs' = temperature 1. With rollout.old_logprobs=engine the run config refuses the
+    combinations that are not the trainer's distribution (engine_logprobs_problem)."""
     weight_transport: str = "shm"
     """How weights reach the servers after each step: 'shm' (safetensors in /dev/shm, servers on this host),
     'disk' (safetensors under weight_sync_dir, a file system the servers read) — both through megatron-gspo's

