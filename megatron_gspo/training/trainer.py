@@ -44,6 +44,7 @@ from megatron_gspo.training.checkpoint_contents import (
 )
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.dp_balance import balance_data_parallel
+from megatron_gspo.training.offload import StateOffload, device_memory_gib
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.health import HealthMonitor
@@ -111,6 +112,14 @@ class GSPOTrainer:
             dump_run_config(cfg, self.run_dir / "config.yaml")
         if resume:
             self._resume(resume_point)
+        # Colocated servers hold their memory from the start: the trainer's state waits in host memory until the
+        # first generation is over.
+        self.offload = None
+        self.memory_metrics: dict = {}
+        if self._colocated:
+            self.offload = StateOffload(self.rt.chunks, self.rt.optimizer,
+                                        masters=bool(cfg.sglang.get("offload_masters", False)))
+            self.offload.offload()
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.rt.is_logging_rank, append=resume, purge_step=self.step + 1 if resume else None
         )
@@ -404,15 +413,29 @@ class GSPOTrainer:
         log.warning("step %d: non-finite grad norm (%s): optimizer step skipped", self.step, grad_norm)
         return False, grad_norm
 
+    @property
+    def _colocated(self) -> bool:
+        return self.cfg.rollout.engine == "sglang" and bool(self.cfg.sglang.get("colocated", False))
+
     def _colocated_memory(self, action: str) -> None:
         """Colocated SGLang servers hand their GPU memory to training and take it back for the weight sync.
 
         Called on every rank: the engine releases only once all ranks are past their generation (a barrier), since
-        SGLang asserts that a server is idle when the release arrives."""
-        engine = self.rt.engine
-        if not (self.cfg.rollout.engine == "sglang" and self.cfg.sglang.get("colocated", False)):
+        SGLang asserts that a server is idle when the release arrives. The trainer's optimizer state and main-grad
+        buffers (and the fp32 masters with sglang.offload_masters) come back from host memory after the release
+        and go there before the servers resume (training/offload.py); `memory_*` metrics record each phase."""
+        if not self._colocated:
             return
-        (engine.release_memory if action == "release" else engine.resume_memory)()
+        engine = self.rt.engine
+        if action == "release":
+            engine.release_memory()
+            self.offload.reload()
+            self.memory_metrics.update({f"memory_{k}_gib_update": v for k, v in device_memory_gib().items()})
+        else:
+            moved = self.offload.offload()
+            self.memory_metrics["memory_offloaded_gib"] = moved
+            self.memory_metrics.update({f"memory_{k}_gib_rollout": v for k, v in device_memory_gib().items()})
+            engine.resume_memory()
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""
@@ -430,7 +453,16 @@ class GSPOTrainer:
         self.watchdog.mark("checkpoint")
         config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
         state = {**self.state_dict(), "format": FORMAT, "layout": current_layout(self.rt)}
-        return self.ckpt.save(self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), state)
+        offloaded = self.offload is not None and self.offload.offloaded
+        if offloaded:  # the writer reads the optimizer state from the device (briefly back beside the servers)
+            self.offload.reload()
+        try:
+            return self.ckpt.save(
+                self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), state
+            )
+        finally:
+            if offloaded:
+                self.offload.offload()
 
     # ---- step boundary: stop signals, failing rewards, health ------------------------------------------
     def _step_boundary(self, batch: RolloutBatch, updates: list[dict], metrics: dict) -> tuple[str | None, str | None]:
@@ -510,6 +542,7 @@ class GSPOTrainer:
             times["time_sync"] = time.time() - t0
             self.watchdog.mark("metrics")
             step_metrics = reduce_step_metrics(self.rt, rollout_stats, updates, mismatch, times, batch)
+            step_metrics.update(self.memory_metrics)
             stop, failure = self._step_boundary(batch, updates, step_metrics)
             self.logger.log_step(self.step, step_metrics)
             self.history.append(step_metrics)
