@@ -241,7 +241,7 @@ def test_train_refuses_other_micro_batches_on_resume_with_the_load_balancing_los
     saved = load_run_config("examples/tiny_moe_gspo.yaml", [*MINI, *aux]).to_dict()
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000002"
     ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r", "world_size": 1}))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r", "world_size": 1, "format": 2}))
     (ckpt / "run_config.yaml").write_text(yaml.safe_dump({**saved, "trainer": {**saved["trainer"],
                                                                                 "run_dir": str(tmp_path / "run")}}))
     (ckpt.parent / "latest").write_text("iter_0000002\n")
