@@ -14,6 +14,8 @@
 #   train-1gpu   tiny Qwen3-MoE, 3 GSPO steps, bf16, NCCL, TE layer spec when transformer-engine imports
 #   bf16-load    pytest -m gpu tests/training/test_mixed_precision.py: a checkpoint loaded into a bf16 run (fp32
 #                masters) keeps its weights through an SFT and an RL step at a tiny learning rate; exact resume
+#   colocated-memory  pytest -m gpu tests/training/test_offload.py: the optimizer state, main-grad buffers and fp32
+#                masters leave device memory (allocated bytes drop by what was moved) and come back bit-exactly
 #   train-no-te  1 bf16 RL step with transformer-engine hidden from the trainer (its import fails, as on a GPU
 #                node without TE): local spec on CUDA, megatron's router without te_general_gemm, selective
 #                recompute, aux loss on; the TE import error must be reported
@@ -122,7 +124,7 @@ summary() {
     exit "$failed"
 }
 
-GPU_PARTS=(env kernels bench train-1gpu bf16-load train-no-te train-2gpu device-1gpu device-2gpu packed sglang-sft sglang-hf
+GPU_PARTS=(env kernels bench train-1gpu bf16-load colocated-memory train-no-te train-2gpu device-1gpu device-2gpu packed sglang-sft sglang-hf
     sglang-rl sglang-r3)
 skip_rest() {  # reason, parts...
     local reason="$1" p
@@ -200,6 +202,8 @@ run_part train-1gpu 150 --rows "$WORK/train-1gpu" 3 \
     "${SMALL[@]}"
 run_part bf16-load 180 --expect '[0-9]+ passed' --reject '[0-9]+ skipped' \
     "$PYTHON" -m pytest -q -rs -m gpu tests/training/test_mixed_precision.py
+run_part colocated-memory 120 --expect '[0-9]+ passed' --reject '[0-9]+ skipped' \
+    "$PYTHON" -m pytest -q -rs -m gpu tests/training/test_offload.py
 # sys.modules[name] = None makes `import transformer_engine` raise ImportError, whether or not TE is installed.
 NO_TE='import runpy, sys; sys.modules["transformer_engine"] = None; runpy.run_module("megatron_gspo.cli.main", run_name="__main__")'
 run_part train-no-te 150 --rows "$WORK/train-no-te" 1 --expect 'transformer-engine does not import' \

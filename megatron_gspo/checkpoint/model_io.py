@@ -26,13 +26,10 @@ manages (the trainer's own temporary iteration directory).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import warnings
-from collections.abc import Callable
 from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from megatron_gspo.checkpoint.dist_io import dist_save_strategy, quiet_dcp, rank0, require_dist
 from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
 from megatron_gspo.errors import describe
 from megatron_gspo.models.config import ModelConfig
@@ -177,6 +175,12 @@ def _use_stored_names(sharded: dict, stored: set[str]) -> None:
             item.key = alias
 
 
+def use_stored_names(sharded: dict, checkpoint_dir: Path) -> None:
+    """Renames (in place) requested sharded tensors that the dist_checkpointing checkpoint `checkpoint_dir` stores
+    under the other layer spec's name (SPEC_ALIASES; optimizer-state keys end with the model's keys)."""
+    _use_stored_names(sharded, _stored_keys(checkpoint_dir))
+
+
 def _stored_keys(model_dir: Path) -> set[str]:
     """Sharded keys (tensors and objects) a dist_checkpointing checkpoint holds."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
@@ -224,67 +228,6 @@ def _layout(chunks: list) -> dict[str, Any]:
     )
 
 
-def _require_dist() -> None:
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call megatron_gspo.parallel.initialize")
-
-
-def _rank0(action: Callable[[], Any], what: str) -> None:
-    """Runs `action` on rank 0 and tells every rank whether it worked (all raise if it did not)."""
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            action()
-        except Exception as err:  # noqa: BLE001 - re-raised below on every rank
-            error = err
-    box = [None if error is None else f"{type(error).__name__}: {error}"]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[0] is not None:
-        raise RuntimeError(f"{what} failed on rank 0: {box[0]}")
-
-
-@contextlib.contextmanager
-def _quiet_dcp():
-    """Hides the FutureWarnings megatron-core 0.16's torch_dist code triggers in PyTorch DCP (deprecated
-    `load_state_dict` / ShardedTensor): not actionable for users."""
-    with warnings.catch_warnings():
-        for module in (r"torch\.distributed\.checkpoint", r"megatron\.core\.dist_checkpointing"):
-            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-        yield
-
-
-def _dist_save_strategy():
-    """torch_dist (PyTorch DCP) written synchronously by each rank.
-
-    megatron-core's own torch_dist writer forks one worker process per file bucket and needs `psutil`, which is not
-    a megatron-core dependency (without it the workers die and the save hangs); forking also does not mix well with
-    open gloo/NCCL groups. The files are the same format: megatron's default torch_dist loader reads them.
-    """
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-    from torch.distributed import checkpoint as dcp
-
-    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            dcp.save(
-                mcore_to_pyt_state_dict(flat, False),
-                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                planner=MCoreSavePlanner(flatten_state_dict=False),
-            )
-
-    return InProcessTorchDistSave("torch_dist", 1)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------------------
@@ -298,7 +241,7 @@ def write_model_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    _require_dist()
+    require_dist()
     chunks = _unwrap(chunks)
     built = getattr(chunks[0], "model_config", None)
     diffs = config_differences(model_config, built) if built is not None else []
@@ -321,17 +264,17 @@ def write_model_checkpoint(
     info_text = json.dumps(info, indent=2, default=_json_value) + "\n"  # fails early on every rank
     config_text = json.dumps(model_config.to_hf_dict(), indent=2) + "\n"
     root = Path(path)
-    _rank0(lambda: (root / MODEL_DIR).mkdir(parents=True, exist_ok=True), f"creating {root / MODEL_DIR}")
-    with _quiet_dcp():
+    rank0(lambda: (root / MODEL_DIR).mkdir(parents=True, exist_ok=True), f"creating {root / MODEL_DIR}")
+    with quiet_dcp():
         dist_checkpointing.save(
-            model_sharded_state_dict(chunks), str(root / MODEL_DIR), sharded_strategy=_dist_save_strategy()
+            model_sharded_state_dict(chunks), str(root / MODEL_DIR), sharded_strategy=dist_save_strategy()
         )
 
     def write_json() -> None:
         (root / CONFIG_NAME).write_text(config_text)
         (root / INFO_NAME).write_text(info_text)
 
-    _rank0(write_json, f"writing {root / CONFIG_NAME}")
+    rank0(write_json, f"writing {root / CONFIG_NAME}")
 
 
 def save_model_checkpoint(
@@ -343,16 +286,16 @@ def save_model_checkpoint(
     an existing `path` is replaced only then. On failure the temporary directory is removed and `path` is untouched.
     `metadata` (JSON-serialisable, e.g. {"source": ...}) is merged into megatron_gspo.json.
     """
-    _require_dist()
+    require_dist()
     final = Path(path)
     box = [temp_sibling(final, "tmp") if dist.get_rank() == 0 else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     tmp: Path = box[0]
     try:
-        _rank0(lambda: tmp.mkdir(parents=True), f"creating {tmp}")
+        rank0(lambda: tmp.mkdir(parents=True), f"creating {tmp}")
         write_model_checkpoint(chunks, tmp, model_config, metadata=metadata)
-        _rank0(lambda: replace_dir(tmp, final), f"moving {tmp} to {final}")
+        rank0(lambda: replace_dir(tmp, final), f"moving {tmp} to {final}")
     except BaseException:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -375,7 +318,7 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    _require_dist()
+    require_dist()
     root = resolve_model_checkpoint(path)
     chunks = _unwrap(chunks)
     info = read_checkpoint_info(root)
@@ -390,8 +333,8 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
             log.warning("model checkpoint %s: %s (loading anyway, strict=False)", root, d)
     sharded = model_sharded_state_dict(chunks)
     try:
-        with _quiet_dcp():
-            _use_stored_names(sharded, _stored_keys(root / MODEL_DIR))
+        with quiet_dcp():
+            use_stored_names(sharded, root / MODEL_DIR)
             loaded, ckpt_only, model_only = dist_checkpointing.load(
                 sharded, str(root / MODEL_DIR), strict=StrictHandling.RETURN_ALL
             )
@@ -442,5 +385,6 @@ __all__ = [
     "read_model_config",
     "resolve_model_checkpoint",
     "save_model_checkpoint",
+    "use_stored_names",
     "write_model_checkpoint",
 ]

@@ -419,15 +419,25 @@ def _owner_table(chunks: list, cfg: ModelConfig) -> dict[tuple, int]:
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks, *, dst: int | None = None, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    chunks,
+    *,
+    dst: int | None = None,
+    dtype: torch.dtype | None = None,
+    values: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, full tensor) in canonical order, streaming one unit at a time.
 
     Every rank must iterate (collectives inside). With `dst=None` every rank receives every tensor; with
     `dst=r` only rank r yields tensors (others yield nothing). Tensors are cast to `dtype` (default: as stored).
+    `values` maps every local parameter to a tensor of its shape (and one dtype for all) exported in its place,
+    e.g. its fp32 master weight or an Adam moment, through the same resharding and renaming.
     """
     chunks = _unwrap(chunks)
     cfg = _config_of(chunks)
     local = {u.key: u for u in _local_units(chunks, cfg)}
+    if values is not None:
+        local = {k: _Unit(u.key, u.hf_names, values[u.param], u.split) for k, u in local.items()}
     owners = _owner_table(chunks, cfg)
     me = dist.get_rank()
     shapes = hf_tensor_shapes(cfg)
@@ -488,6 +498,13 @@ def _names_for(cfg: ModelConfig, key: tuple) -> tuple[str, ...]:
     }[kind]
 
 
-def export_hf_state_dict(chunks, *, rank0_only: bool = False, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full, unsharded HF-named tensors from any layout: the same dict on every rank (or only rank 0)."""
-    return dict(iter_hf_tensors(chunks, dst=0 if rank0_only else None, dtype=dtype))
+def export_hf_state_dict(
+    chunks,
+    *,
+    rank0_only: bool = False,
+    dtype: torch.dtype | None = None,
+    values: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Full, unsharded HF-named tensors from any layout: the same dict on every rank (or only rank 0); `values` as
+    in `iter_hf_tensors`."""
+    return dict(iter_hf_tensors(chunks, dst=0 if rank0_only else None, dtype=dtype, values=values))

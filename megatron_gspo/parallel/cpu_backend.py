@@ -6,7 +6,8 @@ types in a few optimizer paths. None of that is essential to the math, so on a m
 it to the CPU. Every patch below says why it exists; all of them are applied by one explicit call, `apply()`,
 only when CUDA is absent, and only for the megatron-core versions they were written and tested against. One
 megatron bug is not about the CPU but about transformer-engine being absent (a GPU without TE hits it too): its
-fix, `apply_without_te()`, is applied on every machine by `parallel.initialize`, under the same version check.
+fix, `apply_without_te()`, is applied on every machine by `parallel.initialize`, under the same version check (with
+a second one of that kind: the distributed optimizer's checkpoint load into torch's Adam).
 
 Mechanism: megatron-core's own modules get a module-scoped stand-in for `torch` (`_CpuTorch`) whose tensor
 factories and `torch.cuda` namespace map CUDA onto the CPU. Code outside megatron-core (ours, torch itself,
@@ -62,6 +63,7 @@ _MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.inference.contexts.static_context",
@@ -405,7 +407,7 @@ def apply(force: bool = False) -> bool:
     if _applied:
         return True
 
-    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.tensor_parallel import random as tp_random
 
     # The model-parallel RNG tracker keeps per-stream states of CUDA generators; use CPU generator states.
@@ -423,6 +425,11 @@ def apply(force: bool = False) -> bool:
     # without apex / TE megatron uses its own torch implementations of multi_tensor_applier / scale / l2norm).
     optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
         optimizer.Float16OptimizerWithFloat16Params.__init__, _float16_optimizer_tensors
+    )
+    # The distributed optimizer sorts the same way (its constructor, before it swaps the model params for their
+    # shards in the torch optimizer's param groups, so the tensors to name are the model params).
+    distrib_optimizer.DistributedOptimizer.__init__ = _with_cuda_type_names(
+        distrib_optimizer.DistributedOptimizer.__init__, _float16_optimizer_tensors
     )
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32, _clip_tensors)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
@@ -447,10 +454,58 @@ def apply_without_te() -> bool:
         return False
     from megatron.core.transformer.moe import moe_utils
 
+    patched = _patch_torch_adam_step()
     if hasattr(moe_utils, "te_general_gemm"):
-        return False
+        return patched
     moe_utils.te_general_gemm = None
     log.info("megatron-core %s without transformer-engine: router gating uses torch.mm", _version())
+    return True
+
+
+def _patch_torch_adam_step() -> bool:
+    """Lets megatron-core 0.16.x's DistributedOptimizer load a checkpoint into torch's Adam (no apex / TE).
+
+    Without apex / TE the distributed optimizer steps a torch AdamW, whose per-param state holds a "step" tensor
+    beside the moments. Two things go wrong in `DistributedOptimizer.load_state_dict` then:
+    - it sets the step of every param to ONE shared tensor (`s["step"] = step` in a loop), which torch's
+      `load_state_dict` keeps shared; AdamW increments each param's step in place, so after a resume one
+      optimizer step adds the number of params to the count and the bias correction is wrong from then on;
+    - `load_parameter_state_from_fully_reshardable` hands `_set_main_param_and_optimizer_states` the loaded param
+      and moments only (it skips "step" on purpose), and that function copies every key of the torch state from
+      them: KeyError 'step'.
+    The wrappers pass the step the state already holds (the checkpoint's) to the copy, and give every param its
+    own copy of the step after the load. With apex / TE (FusedAdam keeps the step in its param groups) nothing is
+    patched."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if distrib_optimizer.HAVE_APEX_OR_TE or hasattr(cls.load_state_dict, "__wrapped_for_cpu__"):
+        return False
+    set_states_original = cls._set_main_param_and_optimizer_states
+    load_original = cls.load_state_dict
+
+    @functools.wraps(set_states_original)
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            current = self._get_main_param_and_optimizer_states(model_param)
+            if "step" in current:
+                tensors = {**tensors, "step": current["step"].detach().clone()}
+        return set_states_original(self, model_param, tensors)
+
+    @functools.wraps(load_original)
+    def load_state_dict(self, state_dict):
+        out = load_original(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+        return out
+
+    set_states.__wrapped_for_cpu__ = set_states_original
+    load_state_dict.__wrapped_for_cpu__ = load_original
+    cls._set_main_param_and_optimizer_states = set_states
+    cls.load_state_dict = load_state_dict
+    log.info("megatron-core %s without apex / TE: distributed-optimizer loads keep torch Adam's step", _version())
     return True
 
 

@@ -150,8 +150,10 @@ class MemoryAssumptions:
     """Fixed per-GPU overhead: CUDA context, NCCL buffers, workspaces, fragmentation slack."""
     logprob_chunk_tokens: int = 2048
     """Tokens per chunk of the fused log-prob kernel."""
-    vocab_divisible_by: int = 128
-    """Megatron pads the vocabulary to a multiple of this times tp."""
+    vocab_divisible_by: int = 1
+    """The vocabulary is padded to a multiple of this times tp: 1 is the trainer's (models/build.py
+    padded_vocab_size pads to a multiple of tp only, so no padded row enters the log-prob softmax); megatron-LM's
+    `make_vocab_size_divisible_by` default is 128."""
     moe_imbalance: float = 1.0
     """Routed tokens on the busiest expert rank relative to perfect balance (>= 1)."""
 

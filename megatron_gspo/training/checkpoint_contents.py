@@ -2,11 +2,16 @@
 
   config.json, megatron_gspo.json, model/   the model, as a megatron dist_checkpointing checkpoint
                                             (checkpoint/model_io.py; loadable by any layout, convertible to HF)
-  optimizer/rank_00000.pt                   megatron optimizer + LR schedule state of each rank
+  optimizer/                                optimizer state (fp32 masters, Adam moments) and LR schedule, as a
+                                            dist_checkpointing checkpoint (checkpoint/optimizer_io.py): every
+                                            element once, by the rank that owns it; loadable by any layout
   rng/rank_00000.pt                         python / numpy / torch / megatron tracker RNG states of each rank
   run_config.yaml                           the resolved run config (what --resume compares against)
 
-Optimizer and RNG state are per rank, so an exact resume needs the same layout; the model part reshards.
+trainer_state.json (written by the manager) records FORMAT and the LAYOUT the checkpoint was written in. A resume
+in another layout (TP, PP, EP, DP sizes...) reshards model and optimizer state; the per-rank RNG states then do
+not belong to the new ranks and are left as the new run seeded them (`layout_changes` says what changed).
+Format 1 (earlier versions: per-rank `optimizer/rank_*.pt` files of the unsharded optimizer) is not read.
 Every file written here is fsynced by its writer; the manager syncs the directories and renames.
 """
 
@@ -69,19 +74,36 @@ def load_rank_file(path: Path):
         raise ValueError(f"checkpoint file {path} is unreadable or corrupt: {err}".splitlines()[0]) from err
 
 
+FORMAT = 2
+"""Trainer checkpoint format: 2 = optimizer state in dist_checkpointing (reshardable)."""
+
+
+def current_layout(rt) -> dict:
+    """What a checkpoint's per-rank and sharded state depends on: parallel sizes, data-parallel size, world size,
+    and whether the optimizer is the distributed one."""
+    from megatron_gspo.checkpoint.model_io import _layout
+
+    layout = _layout(rt.models)
+    layout.update(dp=rt.dp.size, distributed_optimizer=bool(rt.cfg.optim.distributed))
+    return layout
+
+
+def layout_changes(saved: dict, current: dict) -> list[str]:
+    """'key saved -> current' for every layout entry that differs (entries the checkpoint lacks are not compared)."""
+    return [f"{k} {saved[k]} -> {current.get(k)}" for k in sorted(saved) if saved[k] != current.get(k)]
+
+
 def write_trainer_contents(path: Path, rt, step: int, run_config_text: str) -> None:
     """Writes this rank's share of the step-`step` trainer checkpoint into the existing directory `path` (all
     ranks call)."""
     from megatron_gspo.checkpoint.model_io import write_model_checkpoint
+    from megatron_gspo.checkpoint.optimizer_io import write_optimizer_checkpoint
 
     rank = dist.get_rank()
+    rt.params_ready()
     write_model_checkpoint(rt.models, path, rt.model_config, metadata={"step": step})
-    for sub in ("optimizer", "rng"):
-        (path / sub).mkdir(parents=True, exist_ok=True)
-    save_durably(
-        {"optimizer": rt.optimizer.state_dict(), "scheduler": rt.scheduler.state_dict()},
-        path / "optimizer" / f"rank_{rank:05d}.pt",
-    )
+    write_optimizer_checkpoint(rt.chunks, rt.optimizer, rt.scheduler, path)
+    (path / "rng").mkdir(parents=True, exist_ok=True)
     save_durably(_rng_state(), path / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
         with open(path / RUN_CONFIG, "w") as fh:
@@ -90,23 +112,25 @@ def write_trainer_contents(path: Path, rt, step: int, run_config_text: str) -> N
             os.fsync(fh.fileno())
 
 
-def load_trainer_contents(path: Path, rt) -> None:
-    """Restores model, optimizer, schedule and RNG states from `path` (all ranks call)."""
+def load_trainer_contents(path: Path, rt, *, same_layout: bool = True) -> None:
+    """Restores model, optimizer and schedule states from `path` into this run's layout, and each rank's RNG
+    states when `same_layout` (all ranks call)."""
+    from megatron_gspo.checkpoint.optimizer_io import load_optimizer_checkpoint
+
     rank = dist.get_rank()
-    opt = load_rank_file(path / "optimizer" / f"rank_{rank:05d}.pt")  # read (and checked) before anything changes
-    rng = load_rank_file(path / "rng" / f"rank_{rank:05d}.pt")
-    # Model first (master weights follow it), then the optimizer state, which restores the exact fp32 master
-    # weights of a bf16 run (Float16OptimizerWithFloat16Params.load_state_dict copies its saved main params).
+    rng = load_rank_file(path / "rng" / f"rank_{rank:05d}.pt") if same_layout else None  # checked first
+    # Model first, then the optimizer state, which restores the exact fp32 master weights (megatron's optimizers
+    # copy the loaded masters into their main params).
     rt.load_weights(path)
-    try:
-        rt.optimizer.load_state_dict(opt["optimizer"])
-        rt.scheduler.load_state_dict(opt["scheduler"])
-        _set_rng_state(rng)
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"checkpoint {path}: optimizer / RNG state does not fit this run: {err}") from err
+    load_optimizer_checkpoint(rt.chunks, rt.optimizer, rt.scheduler, path)
+    if rng is not None:
+        try:
+            _set_rng_state(rng)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"checkpoint {path}: RNG state does not fit this run: {err}") from err
 
 
 def rank_files(path: Path, world_size: int) -> list[Path]:
     """Files every complete checkpoint of `world_size` ranks has (beside trainer_state.json)."""
-    per_rank = [path / sub / f"rank_{r:05d}.pt" for sub in ("optimizer", "rng") for r in range(world_size)]
-    return [path / "model" / "metadata.json", path / "config.json", *per_rank]
+    per_rank = [path / "rng" / f"rank_{r:05d}.pt" for r in range(world_size)]
+    return [path / "model" / "metadata.json", path / "optimizer" / "metadata.json", path / "config.json", *per_rank]

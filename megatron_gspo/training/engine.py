@@ -31,14 +31,24 @@ from megatron_gspo.training.optim_config import OptimConfig
 
 
 def build_ddp_model(
-    model_cfg: ModelConfig, parallel: ParallelConfig, options: BuildOptions | None = None
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    options: BuildOptions | None = None,
+    optim: OptimConfig | None = None,
 ) -> list[DistributedDataParallel]:
-    """Model chunks wrapped in megatron's DDP (fp32 grad buffers, gradient reduction over DP ranks)."""
+    """Model chunks wrapped in megatron's DDP (fp32 grad buffers, gradient reduction over DP ranks).
+
+    `optim` says how the optimizer that will step these chunks is distributed (default: OptimConfig(), the
+    distributed optimizer): megatron's DDP lays out its buffers for it (padded to shard evenly over DP ranks,
+    gradients reduce-scattered rather than all-reduced), so the two must agree; `build_optimizer` checks it."""
+    optim = optim or OptimConfig()
     chunks = build_model(model_cfg, parallel, options)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        overlap_param_gather=optim.overlap_param_gather,
+        use_distributed_optimizer=optim.distributed,
+        bucket_size=optim.bucket_size,
         check_for_nan_in_grad=False,
     )
     wrapped = []
@@ -59,7 +69,14 @@ def build_ddp_model(
 
 
 def build_optimizer(chunks: list, optim: OptimConfig, dtype: torch.dtype = torch.float32):
-    """megatron optimizer (separate dense / expert param groups; fp32 master weights for bf16 models)."""
+    """megatron optimizer (separate dense / expert param groups; fp32 master weights for bf16 models), sharded
+    over data-parallel ranks with `optim.distributed` (megatron's DistributedOptimizer)."""
+    built_for = {c.ddp_config.use_distributed_optimizer for c in chunks}
+    if built_for != {optim.distributed}:
+        raise ValueError(
+            f"optim.distributed={optim.distributed} but the model's DDP buffers were built for "
+            f"use_distributed_optimizer={sorted(built_for)}: pass the same OptimConfig to build_ddp_model"
+        )
     config = OptimizerConfig(
         optimizer=optim.optimizer,
         sgd_momentum=0.0,
@@ -73,11 +90,26 @@ def build_optimizer(chunks: list, optim: OptimConfig, dtype: torch.dtype = torch
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=optim.distributed,
+        overlap_param_gather=optim.overlap_param_gather,
     )
     opt = get_megatron_optimizer(config, chunks)
     chunks[0].config.grad_scale_func = opt.scale_loss
     return opt
+
+
+def finish_param_gather(chunks: list) -> None:
+    """Completes the all-gather of updated params (distributed optimizer with `overlap_param_gather`).
+
+    With the overlap, `optimizer.step()` updates only this rank's shard of each param buffer; the other shards
+    arrive bucket by bucket in forward pre-hooks of the next forward. Anything that reads the weights without a
+    forward (weight sync to a rollout engine, checkpoints, HF export) would see a mix of new and old shards: call
+    this first. megatron's `start_param_sync(force_sync=True)` waits for a gather in flight or runs one
+    synchronously, and marks it done so the next forward does not gather again. A no-op without the overlap
+    (the step itself gathers synchronously)."""
+    for chunk in chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
 
 
 def unwrap(chunk):
@@ -198,6 +230,7 @@ __all__ = [
     "OptimConfig",
     "build_ddp_model",
     "build_optimizer",
+    "finish_param_gather",
     "forward_backward",
     "unwrap",
     "is_last_stage",

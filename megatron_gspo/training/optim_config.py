@@ -1,4 +1,4 @@
-"""Optimizer settings (megatron's AdamW / SGD)."""
+"""Optimizer settings (megatron's AdamW / SGD) and how its state and the gradient reduction are distributed."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
     warmup_steps: int = 0
     """Linear warm-up in optimizer steps."""
+    distributed: bool = True
+    """megatron's DistributedOptimizer (ZeRO-1): fp32 master weights, Adam moments and the optimizer step are
+    sharded over data-parallel replicas (gradients reduce-scattered, updated params all-gathered), instead of
+    replicated on every rank. Adam only."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients bucket by bucket while the backward pass runs (megatron DDP; worth it on GPU)."""
+    overlap_param_gather: bool = False
+    """All-gather updated params bucket by bucket during the next forward (needs `distributed` and
+    `overlap_grad_reduce`); the trainer forces the gather to completion before weights leave the model."""
+    bucket_size: int | None = None
+    """Elements per gradient bucket with `overlap_grad_reduce` (None: megatron's max(4e7, 1e6 * DP))."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -47,5 +58,15 @@ class OptimConfig:
                 f"optim.lr={self.lr:g} overflows float32 in Adam's first step (lr / (1 - beta1) = "
                 f"{self.lr / (1 - self.beta1):.3g} > {_FLOAT32_MAX:.3g})"
             )
+        if self.distributed and self.optimizer != "adam":
+            raise ValueError(
+                f"optim.optimizer={self.optimizer} needs optim.distributed=false: megatron's distributed optimizer "
+                "supports adam only"
+            )
+        if self.overlap_param_gather and not (self.distributed and self.overlap_grad_reduce):
+            raise ValueError("optim.overlap_param_gather=true needs optim.distributed=true and optim.overlap_grad_reduce=true")
+        if self.bucket_size is not None and (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+                                             or self.bucket_size < 1):
+            raise ValueError(f"optim.bucket_size={self.bucket_size!r} must be a number of elements >= 1 (or null)")
         if self.clip_grad < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError("optim.clip_grad, optim.weight_decay and optim.warmup_steps must be >= 0")

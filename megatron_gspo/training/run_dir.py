@@ -3,8 +3,9 @@
 - A new run refuses a directory that already holds a run (its metrics and checkpoints would be overwritten or,
   worse, mixed with the new run's): pass --resume, or pick another `trainer.run_dir`.
 - A resumed run continues the checkpoint's run, so its config must be the checkpoint's except for the keys in
-  RESUMABLE (length, cadences, memory knobs, the addresses of the rollout servers); any other difference is
-  refused with a one-line diff.
+  RESUMABLE (length, cadences, memory knobs, the addresses of the rollout servers) and, for checkpoints whose
+  state reshards (format 2), RESHARDABLE (the parallel layout); any other difference is refused with a one-line
+  diff.
 - A resumed run cuts metrics.jsonl / eval.jsonl back to the checkpoint's step (the rows after it belong to steps
   the run does again) and drops a partial last line (a kill or a full disk mid-write).
 """
@@ -51,6 +52,20 @@ RESUMABLE = {
     ),  # fmt: skip
 }
 """Config keys (fnmatch patterns) a resumed run may change, and why that is safe."""
+
+RESHARDABLE = {
+    "parallel.tp": "tensor-parallel size",
+    "parallel.pp": "pipeline stages",
+    "parallel.ep": "expert-parallel size",
+    "parallel.etp": "expert tensor-parallel size",
+    "parallel.virtual_pp": "virtual pipeline chunks",
+    "parallel.sequence_parallel": "sequence parallelism (a TP split of activations)",
+    "optim.overlap_grad_reduce": "communication overlap",
+    "optim.overlap_param_gather": "communication overlap",
+    "optim.bucket_size": "communication buckets",
+}
+"""Keys a resumed run may also change when its checkpoint is reshardable (format 2: model and optimizer state in
+dist_checkpointing, read by any layout): the layout, and how gradient and parameter communication overlaps."""
 
 PER_MICRO_BATCH = ("trainer.micro_batch_size",)
 """Keys that change the objective when the router's load-balancing loss is on: megatron computes it per micro-batch
@@ -119,15 +134,24 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object
     return [(k, a.get(k, unset), b.get(k, unset)) for k in sorted(set(a) | set(b)) if a.get(k, unset) != b.get(k, unset)]
 
 
-def resumable(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)
+def resumable(key: str, *, reshardable: bool = False) -> bool:
+    allowed = {**RESUMABLE, **RESHARDABLE} if reshardable else RESUMABLE
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in allowed)
 
 
-def check_resume_config(saved_text: str, current: dict, checkpoint: Path, step: int, *,
-                        router_aux_loss_coef: float = 0.0) -> list[str]:
+def check_resume_config(
+    saved_text: str,
+    current: dict,
+    checkpoint: Path,
+    step: int,
+    *,
+    router_aux_loss_coef: float = 0.0,
+    reshardable: bool = False,
+) -> list[str]:
     """Raises ValueError (one line) when the current config differs from the checkpoint's in keys a resumed run
-    cannot change (PER_MICRO_BATCH too when the model's `router_aux_loss_coef` > 0), or asks for fewer steps than
-    were done; returns the allowed changes as 'key: old -> new'."""
+    cannot change (RESUMABLE, and RESHARDABLE for a `reshardable` checkpoint; PER_MICRO_BATCH too when the model's
+    `router_aux_loss_coef` > 0), or asks for fewer steps than were done; returns the allowed changes as
+    'key: old -> new'."""
     try:
         saved = yaml.safe_load(saved_text)
     except yaml.YAMLError as err:
@@ -135,7 +159,7 @@ def check_resume_config(saved_text: str, current: dict, checkpoint: Path, step: 
     if not isinstance(saved, dict):
         raise ValueError(f"{checkpoint}/run_config.yaml does not hold a run config")
     changes = config_changes(saved, current)
-    refused = [c for c in changes if not resumable(c[0])]
+    refused = [c for c in changes if not resumable(c[0], reshardable=reshardable)]
     if router_aux_loss_coef > 0:
         per_micro = [c for c in changes if c[0] in PER_MICRO_BATCH]
         if per_micro:
@@ -146,9 +170,10 @@ def check_resume_config(saved_text: str, current: dict, checkpoint: Path, step: 
             )
     if refused:
         listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in refused)
+        allowed = [*RESUMABLE, *(RESHARDABLE if reshardable else ())]
         raise ValueError(
             f"--resume: the config differs from the one {checkpoint} was trained with, in keys a resumed run cannot "
-            f"change: {listing} (may change on resume: {', '.join(RESUMABLE)}; to change the others, start a new "
+            f"change: {listing} (may change on resume: {', '.join(allowed)}; to change the others, start a new "
             f"run with model.load={checkpoint})"
         )
     steps = current.get("trainer", {}).get("steps")

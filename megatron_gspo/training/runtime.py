@@ -18,7 +18,7 @@ from megatron_gspo.models.build import BuildOptions
 from megatron_gspo.parallel import initialize, shutdown
 from megatron_gspo.rollout.types import SamplingParams
 from megatron_gspo.training.config import RunConfig
-from megatron_gspo.training.engine import build_ddp_model, build_optimizer, unwrap
+from megatron_gspo.training.engine import build_ddp_model, build_optimizer, finish_param_gather, unwrap
 from megatron_gspo.training.optim_config import OptimConfig
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Runtime:
             BuildOptions(
                 dtype=self.dtype, recompute=cfg.model.recompute, routing_replay=routing_replay, use_te=cfg.model.use_te
             ),
+            optim,
         )
         self.models = [unwrap(c) for c in self.chunks]
         self.device: torch.device = next(self.models[0].parameters()).device
@@ -88,7 +89,7 @@ class Runtime:
             self.load_model(cfg.model.load)
         elif cfg.rollout.engine != "local":
             # Servers start from their own checkpoint; push the trainer's weights so both policies are equal.
-            self.engine.update_weights(self.models, 0)
+            self.sync_engine(0)
 
     # ---- helpers ----------------------------------------------------------------------------------------
     @property
@@ -167,7 +168,18 @@ class Runtime:
     def load_model(self, path: str) -> None:
         """`model.load`: the weights (and master weights) from `path`, then the rollout engine synced to them."""
         self.load_weights(path)
-        self.engine.update_weights(self.models, 0)
+        self.sync_engine(0)
+
+    def params_ready(self) -> None:
+        """Makes the model's params whole before anything reads them without a forward (weight export, checkpoint):
+        with the distributed optimizer's `overlap_param_gather`, updated shards otherwise arrive only in the next
+        forward (engine.finish_param_gather)."""
+        finish_param_gather(self.chunks)
+
+    def sync_engine(self, version: int) -> None:
+        """Pushes the current weights to the rollout engine (complete params, never a mix of shards)."""
+        self.params_ready()
+        self.engine.update_weights(self.models, version)
 
     def close(self) -> None:
         try:

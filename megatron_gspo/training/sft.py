@@ -60,8 +60,12 @@ def sft_forward_step(vocab_size: int):
 
 def sft_runtime(cfg: RunConfig) -> Runtime:
     """A Runtime with the SFT optimizer settings."""
-    s = cfg.sft
-    return Runtime(cfg, OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, beta2=0.99, clip_grad=1.0), s.max_steps)
+    s, o = cfg.sft, cfg.optim
+    # SFT's own step settings; how the optimizer is distributed is the run's (optim.*).
+    optim = OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, beta2=0.99, clip_grad=1.0, distributed=o.distributed,
+                        overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
+                        bucket_size=o.bucket_size)
+    return Runtime(cfg, optim, s.max_steps)
 
 
 def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
@@ -73,6 +77,7 @@ def run_sft(cfg: RunConfig, out_dir: str | None = None) -> dict:
         if out_dir:
             from megatron_gspo.checkpoint.model_io import save_model_checkpoint
 
+            rt.params_ready()
             save_model_checkpoint(rt.models, out_dir, rt.model_config, metadata=result)
             log.info("SFT model saved to %s", out_dir)
         return result
@@ -97,7 +102,7 @@ def sft_loop(rt: Runtime, scorer: RewardScorer | None = None) -> dict:
         if ok:
             rt.scheduler.step(increment=1)
         if step % s.eval_every == 0 or step == s.max_steps:
-            rt.engine.update_weights(rt.models, step)
+            rt.sync_engine(step)
             acc = evaluate(rt, seed=step, temperature=0.0, max_prompts=s.eval_prompts, scorer=scorer)["eval_accuracy"]
             log.info("sft step %d: held-out greedy accuracy %.3f", step, acc)
             if s.target_accuracy and acc >= s.target_accuracy:

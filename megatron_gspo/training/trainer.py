@@ -35,12 +35,16 @@ from megatron_gspo.training.batch import (
 )
 from megatron_gspo.training.checkpoint import CheckpointManager, new_run_id
 from megatron_gspo.training.checkpoint_contents import (
+    FORMAT,
     RUN_CONFIG,
+    current_layout,
+    layout_changes,
     load_trainer_contents,
     write_trainer_contents,
 )
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.dp_balance import balance_data_parallel
+from megatron_gspo.training.offload import StateOffload, device_memory_gib
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.health import HealthMonitor
@@ -108,6 +112,14 @@ class GSPOTrainer:
             dump_run_config(cfg, self.run_dir / "config.yaml")
         if resume:
             self._resume(resume_point)
+        # Colocated servers hold their memory from the start: the trainer's state waits in host memory until the
+        # first generation is over.
+        self.offload = None
+        self.memory_metrics: dict = {}
+        if self._colocated:
+            self.offload = StateOffload(self.rt.chunks, self.rt.optimizer,
+                                        masters=bool(cfg.sglang.get("offload_masters", False)))
+            self.offload.offload()
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.rt.is_logging_rank, append=resume, purge_step=self.step + 1 if resume else None
         )
@@ -136,11 +148,17 @@ class GSPOTrainer:
         if found is None:
             return None
         path, state = found
+        if state.get("format", 1) < FORMAT:
+            raise ValueError(
+                f"{path} was written by an older megatron-gspo (per-rank optimizer files, checkpoint format "
+                f"{state.get('format', 1)}), which this version does not resume: start a new run with "
+                f"model.load={path} (weights only)"
+            )
         saved = path / RUN_CONFIG
         if saved.is_file():
             aux = self.cfg.model.model_config().router_aux_loss_coef
             for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"],
-                                              router_aux_loss_coef=aux):
+                                              router_aux_loss_coef=aux, reshardable=True):
                 log.info("resume: %s", change)
         else:
             log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
@@ -152,15 +170,15 @@ class GSPOTrainer:
             log.info("no checkpoint under %s: starting from scratch", self.ckpt.root)
         else:
             path, state = point
-            if state.get("world_size") != dist.get_world_size():
-                raise ValueError(
-                    f"{path} was written by {state.get('world_size')} ranks but this run has {dist.get_world_size()}: "
-                    f"optimizer state resumes only in the same layout (start a new run with model.load={path})"
-                )
+            saved_layout = state.get("layout") or {"world_size": state.get("world_size")}
+            changes = layout_changes(saved_layout, current_layout(self.rt))
+            if changes:
+                log.info("resume: layout changed (%s): model and optimizer state resharded from %s; RNG states "
+                         "are this run's own", ", ".join(changes), path.name)
             self.ckpt.run_id = state.get("run_id")
-            load_trainer_contents(path, self.rt)
+            load_trainer_contents(path, self.rt, same_layout=not changes)
             self.load_state_dict(state)
-            self.rt.engine.update_weights(self.rt.models, self.step)
+            self.rt.sync_engine(self.step)
             log.info("resumed from %s at step %d", path, self.step)
         if self.rt.is_logging_rank:
             # Rows after the checkpoint belong to steps this run does again; a partial last line is dropped.
@@ -395,19 +413,33 @@ class GSPOTrainer:
         log.warning("step %d: non-finite grad norm (%s): optimizer step skipped", self.step, grad_norm)
         return False, grad_norm
 
+    @property
+    def _colocated(self) -> bool:
+        return self.cfg.rollout.engine == "sglang" and bool(self.cfg.sglang.get("colocated", False))
+
     def _colocated_memory(self, action: str) -> None:
         """Colocated SGLang servers hand their GPU memory to training and take it back for the weight sync.
 
         Called on every rank: the engine releases only once all ranks are past their generation (a barrier), since
-        SGLang asserts that a server is idle when the release arrives."""
-        engine = self.rt.engine
-        if not (self.cfg.rollout.engine == "sglang" and self.cfg.sglang.get("colocated", False)):
+        SGLang asserts that a server is idle when the release arrives. The trainer's optimizer state and main-grad
+        buffers (and the fp32 masters with sglang.offload_masters) come back from host memory after the release
+        and go there before the servers resume (training/offload.py); `memory_*` metrics record each phase."""
+        if not self._colocated:
             return
-        (engine.release_memory if action == "release" else engine.resume_memory)()
+        engine = self.rt.engine
+        if action == "release":
+            engine.release_memory()
+            self.offload.reload()
+            self.memory_metrics.update({f"memory_{k}_gib_update": v for k, v in device_memory_gib().items()})
+        else:
+            moved = self.offload.offload()
+            self.memory_metrics["memory_offloaded_gib"] = moved
+            self.memory_metrics.update({f"memory_{k}_gib_rollout": v for k, v in device_memory_gib().items()})
+            engine.resume_memory()
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""
-        self.rt.engine.update_weights(self.rt.models, self.step)
+        self.rt.sync_engine(self.step)
 
     def evaluate(self) -> dict:
         """Held-out avg@n / pass@k with the current weights."""
@@ -420,9 +452,17 @@ class GSPOTrainer:
         """Writes checkpoint iter_<step> (atomic; training/checkpoint.py) and returns its path."""
         self.watchdog.mark("checkpoint")
         config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
-        return self.ckpt.save(
-            self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), self.state_dict()
-        )
+        state = {**self.state_dict(), "format": FORMAT, "layout": current_layout(self.rt)}
+        offloaded = self.offload is not None and self.offload.offloaded
+        if offloaded:  # the writer reads the optimizer state from the device (briefly back beside the servers)
+            self.offload.reload()
+        try:
+            return self.ckpt.save(
+                self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), state
+            )
+        finally:
+            if offloaded:
+                self.offload.offload()
 
     # ---- step boundary: stop signals, failing rewards, health ------------------------------------------
     def _step_boundary(self, batch: RolloutBatch, updates: list[dict], metrics: dict) -> tuple[str | None, str | None]:
@@ -502,6 +542,7 @@ class GSPOTrainer:
             times["time_sync"] = time.time() - t0
             self.watchdog.mark("metrics")
             step_metrics = reduce_step_metrics(self.rt, rollout_stats, updates, mismatch, times, batch)
+            step_metrics.update(self.memory_metrics)
             stop, failure = self._step_boundary(batch, updates, step_metrics)
             self.logger.log_step(self.step, step_metrics)
             self.history.append(step_metrics)

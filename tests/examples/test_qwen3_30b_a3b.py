@@ -108,8 +108,8 @@ def test_planner_accepts_the_layout(configs, name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_layout_fits_with_the_trainers_unsharded_optimizer(configs, name):
-    """The planner counts megatron's distributed optimizer; training/engine.py keeps it unsharded for now
-    (12 bytes per parameter on every rank): the layout must fit that way too, on every pipeline stage."""
+    """The planner counts megatron's distributed optimizer, the trainer's default; with optim.distributed=false
+    (12 bytes per parameter on every rank) the layout fits too, on every pipeline stage."""
     cfg = configs[name]
     inputs = read_config(EXAMPLES / name)
     replay = MoEConfig.from_dict(cfg.moe).routing_replay if name != SFT else "off"

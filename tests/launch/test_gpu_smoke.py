@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
-    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "train-no-te", "train-2gpu", "device-1gpu",
+    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "colocated-memory", "train-no-te", "train-2gpu", "device-1gpu",
     "device-2gpu", "packed", "sglang-sft",
     "sglang-hf", "sglang-rl", "sglang-r3",
 )

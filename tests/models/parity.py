@@ -64,8 +64,11 @@ def run_layout(
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     env = initialize(parallel, seed=7)
     try:
-        chunks = build_ddp_model(cfg, parallel, BuildOptions(dtype=torch_dtype, recompute=recompute))
-        opt = build_optimizer(chunks, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), torch_dtype)
+        # SGD: an update linear in the gradient, so layouts compare to the tolerance of the gradients (megatron's
+        # distributed optimizer is Adam-only; tests/training/test_distributed_optimizer.py compares it by layout).
+        sgd = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0, distributed=False)
+        chunks = build_ddp_model(cfg, parallel, BuildOptions(dtype=torch_dtype, recompute=recompute), sgd)
+        opt = build_optimizer(chunks, sgd, torch_dtype)
         load_hf_state_dict([unwrap(c) for c in chunks], hf_state_dict(cfg))
         opt.reload_model_params()  # loaded after the optimizer was built: the fp32 masters follow (bf16)
         exported_before = export_hf_state_dict([unwrap(c) for c in chunks])

@@ -224,9 +224,10 @@ def run_replay_layout(layout: dict, recompute: str = "none", lr: float = 1.0) ->
     replay = None
     try:
         cfg = tiny_config()
-        chunks = build_ddp_model(cfg, parallel, BuildOptions(routing_replay=True, recompute=recompute))
+        sgd = OptimConfig(optimizer="sgd", lr=lr, clip_grad=0.0, distributed=False)  # megatron's is Adam-only
+        chunks = build_ddp_model(cfg, parallel, BuildOptions(routing_replay=True, recompute=recompute), sgd)
         load_hf_state_dict([unwrap(c) for c in chunks], hf_state_dict())
-        opt = build_optimizer(chunks, OptimConfig(optimizer="sgd", lr=lr, clip_grad=0.0))
+        opt = build_optimizer(chunks, sgd)
         replay = RoutingReplay(chunks, cfg.num_experts, mode="r2")
         seqs = sequences()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -299,11 +300,13 @@ def run_single_process() -> dict:
         all_idx = list(range(len(LENGTHS)))
 
         def build(recompute: str):
-            chunks = build_ddp_model(cfg, parallel, BuildOptions(routing_replay=True, recompute=recompute))
+            chunks = build_ddp_model(cfg, parallel, BuildOptions(routing_replay=True, recompute=recompute), sgd)
             load_hf_state_dict([unwrap(c) for c in chunks], state_dict)
             return chunks
 
         state_dict = hf_state_dict()
+        # SGD steps (the distributed optimizer is megatron's Adam-only): the drift of one plain update.
+        sgd = OptimConfig(optimizer="sgd", lr=1.0, clip_grad=0.0, distributed=False)
 
         chunks = build("none")
         replay = RoutingReplay(chunks, cfg.num_experts, mode="r2")
@@ -324,7 +327,7 @@ def run_single_process() -> dict:
         results["order_distinct_sequences"] = len({batched[i][:5].numpy().tobytes() for i in all_idx})
 
         # -- R2 over 4 micro-batches: record, SGD step, replay (drift 0) vs no replay (drift > 0)
-        opt = build_optimizer(chunks, OptimConfig(optimizer="sgd", lr=1.0, clip_grad=0.0))
+        opt = build_optimizer(chunks, sgd)
         mbs = make_micro_batches(all_idx, seqs)
         with replay.record() as rec:
             run(chunks, replay, mbs, forward_only=True)
@@ -411,7 +414,7 @@ def run_single_process() -> dict:
         except ValueError as err:
             errors["tokens"] = str(err)
         results["errors"] = errors
-        opt = build_optimizer(chunks, OptimConfig(optimizer="sgd", lr=1.0, clip_grad=0.0))
+        opt = build_optimizer(chunks, sgd)
         with replay.record() as rec:
             run(chunks, replay, mbs, forward_only=True)
         old = rec.routes

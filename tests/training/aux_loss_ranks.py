@@ -29,7 +29,7 @@ def aux_gradients(cases: list[tuple[str, int]], identical_rows: bool = False) ->
     from megatron_gspo.models.hf_state import load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.training.batch import policy_forward_step, policy_units
-    from megatron_gspo.training.engine import build_ddp_model, forward_backward, unwrap
+    from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, unwrap
 
     parallel = ParallelConfig()
     initialize(parallel, seed=5)
@@ -42,7 +42,8 @@ def aux_gradients(cases: list[tuple[str, int]], identical_rows: bool = False) ->
         inputs: dict = {}
         for coef in (COEF, 2 * COEF):
             cfg = tiny_config(router_aux_loss_coef=coef)
-            chunks = build_ddp_model(cfg, parallel)
+            # main_grad = the full reduced gradient: all-reduce DDP (not the distributed optimizer's shards)
+            chunks = build_ddp_model(cfg, parallel, optim=OptimConfig(distributed=False))
             model = unwrap(chunks[0])
             load_hf_state_dict([model], hf_state_dict(cfg))
             captured: list = []

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tests.training.optimizer_state import full_optimizer_state, local_masters
 from tests.training.test_end_to_end import MINI
 
 EXAMPLE = "examples/tiny_moe_gspo.yaml"
@@ -16,35 +17,24 @@ TINY_LR = 1e-7
 values, far above the fp32 resolution of the master weights."""
 
 
-def _masters(models) -> dict[str, torch.Tensor]:
-    """fp32 main params by HF name (the model's params swapped for them during the export). Only once training in
-    this runtime is over: a dtype-changing `p.data =` drops the parameter's grad accumulator, and with it the hook
-    through which megatron's DDP fills `main_grad`."""
-    from megatron_gspo.models.hf_state import export_hf_state_dict
-
-    saved = []
-    for m in models:
-        for p in m.parameters():
-            saved.append((p, p.data))
-            p.data = p.main_param.data
-    try:
-        return _cpu(export_hf_state_dict(models))
-    finally:
-        for p, d in saved:
-            p.data = d
+def _masters(chunks, optimizer) -> dict[str, torch.Tensor]:
+    """fp32 main (master) params by HF name, gathered from the optimizer's shards (tests/training/optimizer_state)."""
+    return full_optimizer_state(chunks, optimizer)["param"]
 
 
 def _cpu(tensors: dict) -> dict:
     return {k: v.detach().cpu() for k, v in tensors.items()}
 
 
-def _precision(models) -> dict[str, set[str]]:
-    """dtypes of the params, of their main params and of their main grads."""
+def _precision(models, optimizer) -> dict[str, set[str]]:
+    """dtypes of the params, of their main params (the optimizer's masters, a shard of them per rank with the
+    distributed optimizer) and of their main grads."""
+    found, _ = local_masters(optimizer)
     params = [p for m in models for p in m.parameters()]
     return {
         "device": {p.device.type for p in params},
         "params": {str(p.dtype) for p in params},
-        "main_params": {str(getattr(p, "main_param", p).dtype) for p in params},
+        "main_params": {str(master.dtype) for master, *_ in found.values()},
         "main_grads": {str(p.main_grad.dtype) for p in params},
     }
 
@@ -91,12 +81,13 @@ def bf16_load_step_resume(work: str) -> dict:
     rt = sft_runtime(cfg)
     try:
         # Right after model.load the fp32 masters hold the loaded (bf16) weights.
+        masters = _masters(rt.chunks, rt.optimizer)
         out["sft_masters_equal_model_before"] = all(
-            torch.equal(p.main_param, p.detach().float()) for m in rt.models for p in m.parameters()
+            torch.equal(masters[k], v.float()) for k, v in _cpu(export_hf_state_dict(rt.models)).items()
         )
         result = sft_loop(rt)
         out["sft"] = dict(steps=result["sft_steps"], weights=_cpu(export_hf_state_dict(rt.models)),
-                          masters=_masters(rt.models), precision=_precision(rt.models),
+                          masters=_masters(rt.chunks, rt.optimizer), precision=_precision(rt.models, rt.optimizer),
                           adam=_adam_state_is_set(rt.optimizer))
     finally:
         rt.close()
@@ -110,7 +101,8 @@ def bf16_load_step_resume(work: str) -> dict:
         summary = trainer.train()
         models = trainer.rt.models
         out["rl"] = dict(steps=summary["steps"], history=trainer.history, weights=_cpu(export_hf_state_dict(models)),
-                         masters=_masters(models), precision=_precision(models), adam=_adam_state_is_set(trainer.rt.optimizer))
+                         masters=_masters(trainer.rt.chunks, trainer.rt.optimizer),
+                         precision=_precision(models, trainer.rt.optimizer), adam=_adam_state_is_set(trainer.rt.optimizer))
     finally:
         trainer.close()
 
@@ -118,7 +110,7 @@ def bf16_load_step_resume(work: str) -> dict:
     trainer = GSPOTrainer(load_run_config(EXAMPLE, rl), resume=True)
     try:
         out["resumed"] = dict(step=trainer.step, weights=_cpu(export_hf_state_dict(trainer.rt.models)),
-                              masters=_masters(trainer.rt.models))
+                              masters=_masters(trainer.rt.chunks, trainer.rt.optimizer))
     finally:
         trainer.close()
     return out

@@ -72,7 +72,7 @@ def run_cases(layout: dict, cases: list[tuple], *, recompute: str = "none", dtyp
     from megatron_gspo.moe import MoEConfig
     from megatron_gspo.parallel import ParallelConfig, initialize
     from megatron_gspo.training.batch import logprob_forward_step, policy_forward_step, policy_units
-    from megatron_gspo.training.engine import build_ddp_model, forward_backward, is_last_stage, unwrap
+    from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, is_last_stage, unwrap
     from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
     from megatron_gspo.training.routing import RoutingControl
 
@@ -83,8 +83,10 @@ def run_cases(layout: dict, cases: list[tuple], *, recompute: str = "none", dtyp
     out = {}
     routing = None
     try:
+        # main_grad must be the full reduced gradient: all-reduce DDP (the distributed optimizer's reduce-scatter
+        # leaves each rank only its shard of it reduced).
         chunks = build_ddp_model(cfg, parallel, BuildOptions(dtype=torch_dtype, recompute=recompute,
-                                                            routing_replay=True))
+                                                            routing_replay=True), OptimConfig(distributed=False))
         models = [unwrap(c) for c in chunks]
         load_hf_state_dict(models, hf_state_dict(cfg))
         routing = RoutingControl(MoEConfig(routing_replay="r2"), chunks, cfg.num_experts, SEQ, "recompute")

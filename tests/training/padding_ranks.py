@@ -30,13 +30,14 @@ def aux_grads(layout: dict, seq_len: int, kind: str, aux: float = AUX) -> dict:
     from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.training.batch import RolloutBatch, policy_forward_step, policy_units
-    from megatron_gspo.training.engine import build_ddp_model, forward_backward, unwrap
+    from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, unwrap
     from megatron_gspo.training.sft import sft_forward_step
 
     cfg = tiny_config(router_aux_loss_coef=aux)
     initialize(ParallelConfig(**layout), seed=5)
     try:
-        chunks = build_ddp_model(cfg, ParallelConfig(**layout))
+        # main_grad = the full reduced gradient: all-reduce DDP (not the distributed optimizer's shards)
+        chunks = build_ddp_model(cfg, ParallelConfig(**layout), optim=OptimConfig(distributed=False))
         models = [unwrap(c) for c in chunks]
         load_hf_state_dict(models, hf_state_dict(cfg))
         tokens = _tokens(cfg.vocab_size, seq_len, pad_id=0)

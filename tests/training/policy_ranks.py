@@ -49,7 +49,7 @@ def policy_grads(layout: dict, cases: list[tuple[str, int, float]]) -> dict:
     from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.training.batch import policy_forward_step, policy_units, token_logprobs_from_logits
-    from megatron_gspo.training.engine import build_ddp_model, forward_backward, unwrap
+    from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, unwrap
 
     parallel = ParallelConfig(**layout)
     initialize(parallel, seed=5)
@@ -57,7 +57,8 @@ def policy_grads(layout: dict, cases: list[tuple[str, int, float]]) -> dict:
     try:
         for aux in sorted({c[2] for c in cases}):
             cfg = tiny_config(router_aux_loss_coef=aux)
-            chunks = build_ddp_model(cfg, parallel)
+            # main_grad = the full reduced gradient: all-reduce DDP (not the distributed optimizer's shards)
+            chunks = build_ddp_model(cfg, parallel, optim=OptimConfig(distributed=False))
             models = [unwrap(c) for c in chunks]
             load_hf_state_dict(models, hf_state_dict(cfg))
             for algorithm, micro_batch_size, case_aux in cases:

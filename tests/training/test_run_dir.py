@@ -127,18 +127,33 @@ def test_damaged_checkpoint_files_are_one_line_in_train_convert_and_model_load(r
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={tmp_path / 'new'}", f"model.load={ckpt}", ok=False))
     assert f"{ckpt / 'model'} is unreadable or corrupt" in line
     earlier = run / "checkpoints" / "iter_0000002"
-    _damage(earlier / "optimizer" / "rank_00000.pt")
+    (optimizer,) = (earlier / "optimizer").glob("*.distcp")
+    _damage(optimizer)
     (run / "checkpoints" / "latest").write_text("iter_0000002\n")
     shutil.rmtree(ckpt)
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={run}", "--resume", ok=False))
-    assert f"checkpoint file {earlier / 'optimizer' / 'rank_00000.pt'} is unreadable or corrupt" in line
+    assert f"optimizer checkpoint {earlier / 'optimizer'} is unreadable or corrupt" in line
 
 
-def test_resume_with_another_world_size_is_one_line(run):
+def test_resume_of_a_checkpoint_in_the_old_per_rank_format_is_one_line(run):
     state = run / "checkpoints" / "iter_0000003" / "trainer_state.json"
-    state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    old = {k: v for k, v in json.loads(state.read_text()).items() if k not in ("format", "layout")}
+    state.write_text(json.dumps(old))
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={run}", "--resume", ok=False))
-    assert "was written by 2 ranks but this run has 1" in line
+    assert "written by an older megatron-gspo (per-rank optimizer files, checkpoint format 1)" in line
+    assert f"model.load={state.parent}" in line
+
+
+def test_resume_in_another_layout_says_in_one_line_what_changed(run):
+    """The layout check compares what the state depends on (not only the world size); the run reshards and goes on.
+    (The resumed state and next step in other layouts: tests/training/test_resume_layout.py.)"""
+    state = run / "checkpoints" / "iter_0000003" / "trainer_state.json"
+    saved = json.loads(state.read_text())
+    assert saved["format"] == 2 and saved["layout"]["tp"] == 1 and saved["layout"]["distributed_optimizer"] is True
+    state.write_text(json.dumps({**saved, "layout": {**saved["layout"], "tp": 2, "dp": 2, "world_size": 2}}))
+    res = _cli(*TRAIN, f"trainer.run_dir={run}", "trainer.steps=4", "--resume")
+    (line,) = [x for x in res.stderr.splitlines() if "layout changed" in x]
+    assert "dp 2 -> 1, tp 2 -> 1, world_size 2 -> 1" in line and "resharded" in line
 
 
 def test_sft_refuses_to_replace_an_existing_out_directory(tmp_path):
@@ -226,7 +241,7 @@ def test_train_refuses_other_micro_batches_on_resume_with_the_load_balancing_los
     saved = load_run_config("examples/tiny_moe_gspo.yaml", [*MINI, *aux]).to_dict()
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000002"
     ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r", "world_size": 1}))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r", "world_size": 1, "format": 2}))
     (ckpt / "run_config.yaml").write_text(yaml.safe_dump({**saved, "trainer": {**saved["trainer"],
                                                                                 "run_dir": str(tmp_path / "run")}}))
     (ckpt.parent / "latest").write_text("iter_0000002\n")

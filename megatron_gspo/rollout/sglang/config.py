@@ -37,6 +37,9 @@ class SGLangConfig(ServerConfig):
     """Servers share GPUs with the trainer: start them with `--enable-memory-saver`; they release their memory
     after every rank's generation and take it back before the weight sync. Needs a file weight sync ('disk' or
     'shm'): an NCCL group with a trainer rank and a server rank on one GPU is refused by NCCL."""
+    offload_masters: bool = False
+    """Colocated mode: besides Adam's moments and the main-grad buffers, move the fp32 master weights to host
+    memory while the servers generate (training/offload.py)."""
     weight_sync: str = "distributed"
     """'distributed': NCCL broadcast from trainer rank 0 into the servers (their GPUs must differ from rank 0's);
     'disk': safetensors under weight_sync_dir + `/update_weights_from_disk`; 'shm': the same under /dev/shm
