@@ -23,8 +23,9 @@ Terms (bytes, for the pipeline stage that peaks; `estimate_memory` takes the max
     MoE:       2*Ts*h (norm input) + 2*Ts*h (norm output) + Ts*(8*E + 12*k) (fp32 router scores, top-k ids and probs)
                + P*(2*h + 4*f/x + 2*f/x + 4) with P = Ts*k*x token-expert pairs on the rank (dispatched input,
                SwiGLU input, SwiGLU output, routing prob), times `MemoryAssumptions.moe_imbalance`.
-  recompute="selective" is Megatron's recompute_modules ["core_attn", "moe_act", "layernorm"]: it drops both norm
-  outputs, the softmax statistics and the SwiGLU output. recompute="full" (uniform, 1 layer per checkpoint) keeps only
+  recompute="selective" is what the trainer gives megatron on the TE spec (models/build.py
+  selective_recompute_modules): recompute_modules ["core_attn", "moe_act"], which drop the softmax statistics and
+  the SwiGLU output (both norm outputs stay: "layernorm" is not asked for). recompute="full" (uniform, 1 layer per checkpoint) keeps only
   the layer input 2*Ts*h. Stage j of a 1F1B pipeline holds min(p - j, micro-batches) micro-batches in flight (times
   1 + (p-1)/(p*v) with v interleaved chunks); backward needs one more layer's worth as working memory (two with full
   recompute: the recomputed layer and its gradients). The last stage adds the final-norm input and output.
@@ -49,6 +50,15 @@ from megatron_gspo.planning.params import count_parameters
 
 GiB = 1024**3
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "moe_act")
+"""megatron recompute_modules of recompute="selective" on the TE spec, as the trainer sets them (a test holds the
+two equal: models/build.py selective_recompute_modules)."""
+RECOMPUTED_BY = {
+    "core_attn": ("softmax_stats",),
+    "moe_act": ("swiglu_output",),
+    "layernorm": ("attn_norm_output", "moe_norm_output"),
+}
+"""Saved activations (layer_activation_bytes parts) each megatron recompute module drops."""
 REPLAY_CHOICES = ("off", "r2", "r3")
 LOGPROB_CHOICES = ("fused", "naive")
 
@@ -274,8 +284,9 @@ def layer_activation_bytes(
         "routing_probs": pairs * 4,
     }
     if recompute == "selective":
-        for name in ("attn_norm_output", "softmax_stats", "moe_norm_output", "swiglu_output"):
-            parts.pop(name)
+        for module in SELECTIVE_RECOMPUTE_MODULES:
+            for name in RECOMPUTED_BY[module]:
+                parts.pop(name)
     elif recompute != "none":
         raise ValueError(f"recompute={recompute!r} must be one of {list(RECOMPUTE_CHOICES)}")
     return parts

@@ -72,7 +72,16 @@ def test_recompute_ordering():
     assert full_layer == {"layer_input": 2 * 8192 / 2 * 2048}
     none = layer_activation_bytes(QWEN, Layout(), WORK, "none")
     selective = layer_activation_bytes(QWEN, Layout(), WORK, "selective")
-    assert set(none) - set(selective) == {"attn_norm_output", "softmax_stats", "moe_norm_output", "swiglu_output"}
+    assert set(none) - set(selective) == {"softmax_stats", "swiglu_output"}
+
+
+def test_selective_recompute_is_what_the_trainer_asks_megatron_for():
+    """The planner's "selective" drops what the trainer's recompute_modules drop on the TE spec (it assumed
+    "layernorm" too, which the trainer never sets: the norm outputs were missing from its activations)."""
+    from megatron_gspo.models.build import selective_recompute_modules
+    from megatron_gspo.planning.memory import SELECTIVE_RECOMPUTE_MODULES
+
+    assert list(SELECTIVE_RECOMPUTE_MODULES) == selective_recompute_modules(grouped_gemm=True)
 
 
 def test_activations_scale_with_tokens_and_split_with_tp_cp():
