@@ -5,11 +5,13 @@
 
 Every optimizer tensor (fp32 master weight, Adam exp_avg / exp_avg_sq) is stored under its model tensor's global
 key (`optimizer.state.exp_avg.<model key>`), sharded exactly like it, so resharding over TP / EP / PP works as for
-the model. With megatron's DistributedOptimizer the `fully_sharded_model_space` format (megatron-core 0.16.1's
-default, one of its `checkpoint_fully_reshardable_formats`) stores each rank's flat slice of each tensor with the
-data-parallel coordinate of its replica id set to 0 for every slice: every element is written once, by the rank
-that owns it, so nothing is duplicated across data-parallel replicas, and a load in another DP size reads the
-slices its ranks own now. `chained_optim_avoid_prefix` keeps the keys free of the dense / expert sub-optimizer
+the model. With megatron's DistributedOptimizer the `fully_reshardable` format with `mem_efficient` (SHARDED_METADATA;
+megatron-core 0.16.1's default `fully_sharded_model_space` fails there: "flattened_range is not supported")
+gathers each data-parallel group's optimizer state onto its DP rank 0 (over gloo, in host memory), which writes
+it with the model tensor's replica id: every element is written once, so nothing is duplicated across
+data-parallel replicas, and a load in another DP size reads what its ranks own now. The cost at scale: DP rank 0
+holds its group's whole optimizer state in host memory while saving, and every rank builds its model-parallel
+shard's full state in host memory while loading. `chained_optim_avoid_prefix` keeps the keys free of the dense / expert sub-optimizer
 index (megatron-LM's choice for new checkpoints), so they do not depend on how parameters are grouped.
 
 Loading: megatron's `load_state_dict` of each optimizer copies the loaded fp32 masters into its main params (and,

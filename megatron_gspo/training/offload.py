@@ -6,7 +6,9 @@ Each tensor moved is one that owns its whole storage (megatron's DDP grad buffer
 `exp_avg` / `exp_avg_sq`, the fp32 master shards of a bf16 model); its storage is copied to host memory (pinned on
 CUDA, so the copies are DMA) and resized to 0 bytes, which frees the device memory while every view of it
 (`param.main_grad`, bucket views) stays a valid tensor object, as megatron's own `offload_grad_buffers` does; the
-reload resizes it back and copies the bytes in, so the views see their data again. The model's weights stay: the
+reload resizes it back and copies the bytes in, so the views see their data again. The grad buffers are not
+copied: their contents are dead between an optimizer step and the next update (engine.forward_backward zeroes
+them first), so they are freed and come back zeroed, as megatron's own reload does. The model's weights stay: the
 weight sync reads them while the servers hold their memory. fp32 masters of an fp32 model are the weights
 themselves (views of the param buffer) and are never moved.
 """
@@ -48,9 +50,13 @@ class StateOffload:
     def offloaded(self) -> bool:
         return bool(self._host)
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The DDP main-grad buffers: freed, not copied (see the module docstring)."""
+        return [b.grad_data for c in self.chunks for b in (*c.buffers, *c.expert_parallel_buffers)]
+
     def targets(self) -> list[torch.Tensor]:
         """The tensors moved (distinct storages): grad buffers, Adam moments, optionally the fp32 masters."""
-        tensors = [b.grad_data for c in self.chunks for b in (*c.buffers, *c.expert_parallel_buffers)]
+        tensors = self.grad_buffers()
         for opt in _sub_optimizers(self.optimizer):
             for state in opt.optimizer.state.values():
                 tensors += [state[k] for k in ("exp_avg", "exp_avg_sq") if isinstance(state.get(k), torch.Tensor)]
@@ -66,13 +72,17 @@ class StateOffload:
         return out
 
     def offload(self) -> float:
-        """Copies the targets to host memory and frees their device storage; returns GiB moved. Idempotent."""
+        """Copies the targets (but the grad buffers) to host memory and frees their device storage; returns the GiB
+        of device memory freed. Idempotent."""
         if self._host:
             return 0.0
         moved = 0
+        dead = {g.untyped_storage().data_ptr() for g in self.grad_buffers()}
         for t in self.targets():
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-            host.copy_(t, non_blocking=t.is_cuda)
+            host = None  # a grad buffer: nothing to keep
+            if t.untyped_storage().data_ptr() not in dead:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                host.copy_(t, non_blocking=t.is_cuda)
             self._host.append((t, host))
             moved += t.numel() * t.element_size()
         if torch.cuda.is_available():
@@ -86,8 +96,11 @@ class StateOffload:
     def reload(self) -> None:
         """Reallocates the device storages and copies the saved bytes back (a no-op when nothing is offloaded)."""
         for t, host in self._host:
-            t.untyped_storage().resize_(host.numel() * host.element_size())
-            t.copy_(host, non_blocking=t.is_cuda)
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            if host is None:
+                t.zero_()
+            else:
+                t.copy_(host, non_blocking=t.is_cuda)
         if torch.cuda.is_available() and self._host:
             torch.cuda.synchronize()
         self._host = []
