@@ -28,9 +28,10 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
+
+from bench_worker import gib, run_worker  # tools/ is sys.path[0] when this runs as a script
 
 CPU_DEFAULTS = dict(
     tokens=4096, hidden=1024, vocab=151936, dtype="float32", variants="naive,fused,logits,logits_copy"
@@ -154,17 +155,7 @@ def _run_variant(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant]
     for key in ("device", "tokens", "hidden", "vocab", "dtype", "iters", "warmup", "threads"):
         cmd += [f"--{key}", str(getattr(args, key))]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return dict(variant=variant, error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(lines[-1])
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+    return run_worker(cmd, variant)
 
 
 def _report(args, results: list[dict]) -> None:
@@ -185,7 +176,7 @@ def _report(args, results: list[dict]) -> None:
         total = r["fwd_s"] + r["bwd_s"]
         working = r["peak_bytes"] - r["base_bytes"]
         cells = [r["variant"], f"{r['fwd_s']:.3f}", f"{r['bwd_s']:.3f}", f"{total:.3f}"]
-        cells += [f"{flops / total / 1e12:.2f}", _gib(r["peak_bytes"]), _gib(working)]
+        cells += [f"{flops / total / 1e12:.2f}", gib(r["peak_bytes"]), gib(working)]
         print("| " + " | ".join(cells) + " |")
     base = next((r for r in ok if r["variant"] == "naive"), None)
     if base is None:

@@ -29,17 +29,36 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
+from bench_worker import gib, run_worker  # tools/ is sys.path[0] when this runs as a script
+
 CPU_DEFAULTS = dict(
-    hidden=128, layers=4, experts=8, topk=2, vocab=8192, sequences=32, prompt=32, max_response=480,
-    minibatches=4, micro_batch_size=8, dtype="fp32",
+    hidden=128,
+    layers=4,
+    experts=8,
+    topk=2,
+    vocab=8192,
+    sequences=32,
+    prompt=32,
+    max_response=480,
+    minibatches=4,
+    micro_batch_size=8,
+    dtype="fp32",
 )
 GPU_DEFAULTS = dict(
-    hidden=1024, layers=8, experts=32, topk=4, vocab=151936, sequences=128, prompt=256, max_response=3840,
-    minibatches=4, micro_batch_size=8, dtype="bf16",
+    hidden=1024,
+    layers=8,
+    experts=32,
+    topk=4,
+    vocab=151936,
+    sequences=128,
+    prompt=256,
+    max_response=3840,
+    minibatches=4,
+    micro_batch_size=8,
+    dtype="bf16",
 )
 VARIANTS = {
     "padded": ("padded", "logits"),
@@ -53,7 +72,7 @@ def response_lengths(n: int, max_response: int) -> list[int]:
     """Log-uniform quantiles between max/16 and max, in a shuffled (seeded) order."""
     import random
 
-    lengths = [max(1, round(max_response * 16 ** (-((i + 0.5) / n) ** 0.85))) for i in range(n)]
+    lengths = [max(1, round(max_response * 16 ** (-(((i + 0.5) / n) ** 0.85)))) for i in range(n)]
     random.Random(0).shuffle(lengths)
     return lengths
 
@@ -89,9 +108,16 @@ def _worker(args) -> dict:
     layout, path = VARIANTS[args.worker]
     seq_len = args.prompt + args.max_response
     cfg = preset(
-        "tiny", vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_experts=args.experts, num_experts_per_tok=args.topk, moe_intermediate_size=args.hidden,
-        head_dim=args.hidden // 4, max_position_embeddings=seq_len + 1, router_aux_loss_coef=0.001,
+        "tiny",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+        moe_intermediate_size=args.hidden,
+        head_dim=args.hidden // 4,
+        max_position_embeddings=seq_len + 1,
+        router_aux_loss_coef=0.001,
     )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     initialize(ParallelConfig(), seed=0)
@@ -112,7 +138,9 @@ def _worker(args) -> dict:
         adv = torch.randn(args.sequences, generator=gen)
         batch = pack_rollouts(rollouts, seq_len, 0, torch.zeros(args.sequences), adv).to(device)
         batcher = MicroBatcher.for_model(
-            unwrap(chunks[0]).config, layout=layout, micro_batch_size=args.micro_batch_size,
+            unwrap(chunks[0]).config,
+            layout=layout,
+            micro_batch_size=args.micro_batch_size,
             max_tokens=args.micro_batch_size * seq_len if layout == "packed" else 0,
         )
         loss_fn = make_policy_loss(PolicyLossConfig(algorithm="gspo"))
@@ -128,8 +156,9 @@ def _worker(args) -> dict:
             micro = batcher.build(batch, groups)
             length, mbs = schedule_shape(micro)
             with torch.no_grad():
-                outs = forward_backward(chunks, micro, old_step, seq_length=length, micro_batch_size=mbs,
-                                        forward_only=True)
+                outs = forward_backward(
+                    chunks, micro, old_step, seq_length=length, micro_batch_size=mbs, forward_only=True
+                )
             old = torch.zeros(batch.num_sequences, seq_len, device=device)
             old[torch.tensor([i for g in groups for i in g], device=device)] = torch.cat(
                 [o["token_logprobs"] for o in outs]
@@ -138,8 +167,14 @@ def _worker(args) -> dict:
             for minibatch in batch.split(args.minibatches):
                 micro = batcher(minibatch)
                 length, mbs = schedule_shape(micro)
-                forward_backward(chunks, micro, train_step, seq_length=length, micro_batch_size=mbs,
-                                 units_of=policy_units(loss_fn))
+                forward_backward(
+                    chunks,
+                    micro,
+                    train_step,
+                    seq_length=length,
+                    micro_batch_size=mbs,
+                    units_of=policy_units(loss_fn),
+                )
                 optimizer.step()
             sync()
 
@@ -157,9 +192,15 @@ def _worker(args) -> dict:
             cpu.append(time.process_time() - c0)
         peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_bytes()
         tokens = int((batch.prompt_lens_N + batch.response_lens_N).sum())
-        return dict(variant=args.worker, seconds=min(times), cpu_seconds=min(cpu), tokens=tokens, peak_bytes=peak,
-                    base_bytes=base,
-                    micro_batches=len(batcher.plan(batch.split(args.minibatches)[0])))
+        return dict(
+            variant=args.worker,
+            seconds=min(times),
+            cpu_seconds=min(cpu),
+            tokens=tokens,
+            peak_bytes=peak,
+            base_bytes=base,
+            micro_batches=len(batcher.plan(batch.split(args.minibatches)[0])),
+        )
     finally:
         shutdown()
 
@@ -168,19 +209,10 @@ def _run_variant(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant]
     for key in ("device", *CPU_DEFAULTS, "iters", "threads"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return dict(variant=variant, error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(lines[-1])
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+    return run_worker(cmd, variant, env=env)
 
 
 def _report(args, results: list[dict]) -> None:
@@ -194,8 +226,10 @@ def _report(args, results: list[dict]) -> None:
         f"{args.dtype} on {args.device} ({args.threads} threads); best of {args.rounds} round(s) x {args.iters} "
         "update(s), each after a warm-up"
     )
-    header = (f"| variant | update s (best) | update s (every round) | tokens/s | CPU s | tokens per CPU s | "
-              f"micro-batches per minibatch | {mem} GiB | working GiB |")
+    header = (
+        f"| variant | update s (best) | update s (every round) | tokens/s | CPU s | tokens per CPU s | "
+        f"micro-batches per minibatch | {mem} GiB | working GiB |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for r in results:
@@ -203,9 +237,17 @@ def _report(args, results: list[dict]) -> None:
             print(f"| {r['variant']} | failed: {r['error']} |")
             continue
         every = " / ".join(f"{x:.1f}" for x in r.get("all_seconds", [r["seconds"]]))
-        cells = [r["variant"], f"{r['seconds']:.2f}", every, f"{r['tokens'] / r['seconds']:.0f}",
-                 f"{r['cpu_seconds']:.1f}", f"{r['tokens'] / r['cpu_seconds']:.0f}", str(r["micro_batches"]),
-                 _gib(r["peak_bytes"]), _gib(r["peak_bytes"] - r["base_bytes"])]
+        cells = [
+            r["variant"],
+            f"{r['seconds']:.2f}",
+            every,
+            f"{r['tokens'] / r['seconds']:.0f}",
+            f"{r['cpu_seconds']:.1f}",
+            f"{r['tokens'] / r['cpu_seconds']:.0f}",
+            str(r["micro_batches"]),
+            gib(r["peak_bytes"]),
+            gib(r["peak_bytes"] - r["base_bytes"]),
+        ]
         print("| " + " | ".join(cells) + " |")
     ok = [r for r in results if "error" not in r]
     base = next((r for r in ok if r["variant"] == "padded"), None)
@@ -219,18 +261,26 @@ def _report(args, results: list[dict]) -> None:
         per_cpu = base["cpu_seconds"] / r["cpu_seconds"]
         peak = r["peak_bytes"] / base["peak_bytes"]
         working = (r["peak_bytes"] - r["base_bytes"]) / max(1, base["peak_bytes"] - base["base_bytes"])
-        print(f"  {r['variant']}: tokens/s x{speed:.2f} (wall), x{per_cpu:.2f} (per CPU second), {mem} x{peak:.2f}, "
-              f"working memory x{working:.2f}")
+        print(
+            f"  {r['variant']}: tokens/s x{speed:.2f} (wall), x{per_cpu:.2f} (per CPU second), {mem} x{peak:.2f}, "
+            f"working memory x{working:.2f}"
+        )
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     for key, value in CPU_DEFAULTS.items():
         kind = str if isinstance(value, str) else int
         parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind)
-    parser.add_argument("--variants", default="padded,packed", help=f"comma-separated subset of {list(VARIANTS)}")
-    parser.add_argument("--iters", type=int, default=1, help="timed updates after the warm-up (the best counts)")
+    parser.add_argument(
+        "--variants", default="padded,packed", help=f"comma-separated subset of {list(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--iters", type=int, default=1, help="timed updates after the warm-up (the best counts)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (fresh subprocesses)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -261,8 +311,12 @@ def main(argv=None) -> None:
         if not ok:
             best[variant] = got[-1]
             continue
-        best[variant] = dict(min(ok, key=lambda g: g["seconds"]), all_seconds=[g["seconds"] for g in ok],
-                             cpu_seconds=min(g["cpu_seconds"] for g in ok), peak_bytes=max(g["peak_bytes"] for g in ok))
+        best[variant] = dict(
+            min(ok, key=lambda g: g["seconds"]),
+            all_seconds=[g["seconds"] for g in ok],
+            cpu_seconds=min(g["cpu_seconds"] for g in ok),
+            peak_bytes=max(g["peak_bytes"] for g in ok),
+        )
     _report(args, [best[v] for v in variants])
 
 

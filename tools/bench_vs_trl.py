@@ -43,11 +43,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_worker import run_worker  # tools/ is sys.path[0] when this runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "tiny_moe_gspo.yaml"
@@ -249,15 +250,10 @@ def _run(variant: str, python: str, spec_path: Path, args) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--worker", variant, "--spec", str(spec_path)]
     cmd += ["--work", str(args.work), "--threads", str(args.threads)]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-5:]
-        return dict(variant=variant, error=" | ".join(tail))
-    out = json.loads(lines[-1])
-    out["wall_s"] = time.perf_counter() - t0
+    out = run_worker(cmd, variant, error_lines=5)
+    if "error" not in out:
+        out["wall_s"] = time.perf_counter() - t0
     return out
 
 
