@@ -40,8 +40,8 @@ from megatron_gspo.checkpoint.hf_io import (
     DTYPE_NAMES,
     HFCheckpointReader,
     hf_config_extras,
-    tokenizer_files,
     parse_dtype,
+    tokenizer_files,
     write_hf_checkpoint,
 )
 from megatron_gspo.checkpoint.model_io import (

@@ -31,7 +31,7 @@ import logging
 import os
 import shutil
 from dataclasses import fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +258,7 @@ def write_model_checkpoint(
         format_version=FORMAT_VERSION,
         dtype=str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
         layout=_layout(chunks),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
         **metadata,
     )
     info_text = json.dumps(info, indent=2, default=_json_value) + "\n"  # fails early on every rank

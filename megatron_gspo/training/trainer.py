@@ -44,12 +44,12 @@ from megatron_gspo.training.checkpoint_contents import (
 )
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.dp_balance import balance_data_parallel
-from megatron_gspo.training.offload import StateOffload, device_memory_gib
 from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.health import HealthMonitor
 from megatron_gspo.training.metrics_log import MetricsLogger, reduce_step_metrics
 from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
+from megatron_gspo.training.offload import StateOffload, device_memory_gib
 from megatron_gspo.training.routing import RoutingControl, drift_sample
 from megatron_gspo.training.run_dir import check_new_run_dir, check_resume_config, check_resume_dir, trim_log
 from megatron_gspo.training.runtime import Runtime

@@ -16,7 +16,13 @@ def offload_round_trip(layout: dict, dtype: str = "bf16") -> dict:
     from megatron_gspo.models.build import BuildOptions
     from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
-    from megatron_gspo.training.engine import OptimConfig, build_ddp_model, build_optimizer, forward_backward, unwrap
+    from megatron_gspo.training.engine import (
+        OptimConfig,
+        build_ddp_model,
+        build_optimizer,
+        forward_backward,
+        unwrap,
+    )
     from megatron_gspo.training.offload import StateOffload
     from tests.models.parity import MICRO, SEQ, batch, hf_state_dict, tiny_config
 

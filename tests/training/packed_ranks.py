@@ -72,7 +72,13 @@ def run_cases(layout: dict, cases: list[tuple], *, recompute: str = "none", dtyp
     from megatron_gspo.moe import MoEConfig
     from megatron_gspo.parallel import ParallelConfig, initialize
     from megatron_gspo.training.batch import logprob_forward_step, policy_forward_step, policy_units
-    from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, is_last_stage, unwrap
+    from megatron_gspo.training.engine import (
+        OptimConfig,
+        build_ddp_model,
+        forward_backward,
+        is_last_stage,
+        unwrap,
+    )
     from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
     from megatron_gspo.training.routing import RoutingControl
 

@@ -24,7 +24,10 @@ def aux_grads(layout: dict, seq_len: int, kind: str, aux: float = AUX) -> dict:
     """HF-named gradients and megatron's logged load-balancing loss per layer after one forward/backward of N
     sequences (PROMPT + RESPONSE tokens each) right-padded to `seq_len` (>= INPUT) through the trainer's
     `policy_forward_step` (kind "policy") or SFT's forward step (kind "sft")."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
 
     from megatron_gspo.algorithms import PolicyLossConfig, make_policy_loss
     from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict

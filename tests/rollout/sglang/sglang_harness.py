@@ -404,7 +404,6 @@ def http_encode(out: dict) -> Any:
     """The answer as a client decodes it: 0.5.9's handler returns the dict (FastAPI's jsonable_encoder), later ones
     return orjson of it (`orjson_response`; a tensor there would be an error, so it is encoded first)."""
     import fastapi.encoders
-
     from sglang.version import __version__
 
     major_minor_patch = tuple(int(x) for x in __version__.split(".")[:3])
