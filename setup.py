@@ -35,6 +35,9 @@ setup(
         "math-verify",
         "pyarrow",
         "aiohttp",
+        # megatron-core's asynchronous checkpoint writers measure their memory with it (trainer.async_save); without
+        # it they die before reporting and the save never finishes. Not a megatron-core dependency.
+        "psutil",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout"],

@@ -43,13 +43,36 @@ def quiet_dcp():
         yield
 
 
-def dist_save_strategy():
-    """torch_dist (PyTorch DCP) written synchronously by each rank.
+def dist_save(state: dict, directory: str, *, asynchronous: bool = False):
+    """`dist_checkpointing.save` of `state` into `directory` (all ranks call). Synchronous: the files are written
+    before it returns (in-process writer below) and None is returned. `asynchronous`: the planning, common.pt and
+    sharded objects are written now; the sharded tensors are written by megatron's forked writer processes
+    (`FileSystemWriterAsync`, each file fsynced) from a snapshot taken when the returned `AsyncRequest` is scheduled
+    (checkpoint/async_writes.py); its finalize functions write the DCP metadata and metadata.json."""
+    from megatron.core import dist_checkpointing
 
-    megatron-core's own torch_dist writer forks one worker process per file bucket and needs `psutil`, which is not
-    a megatron-core dependency (without it the workers die and the save hangs); forking also does not mix well with
-    open gloo/NCCL groups. The files are the same format: megatron's default torch_dist loader reads them.
-    """
+    strategy = _async_save_strategy() if asynchronous else _sync_save_strategy()
+    with quiet_dcp():
+        return dist_checkpointing.save(state, directory, sharded_strategy=strategy, async_sharded_save=asynchronous)
+
+
+ASYNC_WRITERS = 2
+"""Writer processes per rank (files per rank) of an asynchronous save (megatron's torch_dist default)."""
+
+
+def _async_save_strategy():
+    """megatron's own torch_dist strategy, whose `async_save` hands back an AsyncRequest (it needs `psutil`: its
+    writer processes measure their memory, and one that cannot dies before reporting, which hangs the save)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=ASYNC_WRITERS)
+
+
+def _sync_save_strategy():
+    """torch_dist (PyTorch DCP) written synchronously by each rank, in this process (PyTorch's FileSystemWriter,
+    files fsynced): megatron-core's synchronous torch_dist save runs its asynchronous writer in place, which forks
+    one process per file, a cost with nothing to overlap when the caller waits anyway. Same format: megatron's
+    torch_dist loader reads both."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
         TorchDistSaveShardedStrategy,

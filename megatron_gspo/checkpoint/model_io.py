@@ -38,7 +38,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from megatron_gspo.checkpoint.dist_io import dist_save_strategy, quiet_dcp, rank0, require_dist
+from megatron_gspo.checkpoint.dist_io import dist_save, quiet_dcp, rank0, require_dist
 from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
 from megatron_gspo.errors import describe
 from megatron_gspo.models.config import ModelConfig
@@ -232,15 +232,19 @@ def _layout(chunks: list) -> dict[str, Any]:
 # Save
 # ---------------------------------------------------------------------------------------------------------
 def write_model_checkpoint(
-    chunks, path: str | os.PathLike, model_config: ModelConfig, *, metadata: dict[str, Any] | None = None
-) -> None:
+    chunks,
+    path: str | os.PathLike,
+    model_config: ModelConfig,
+    *,
+    metadata: dict[str, Any] | None = None,
+    asynchronous: bool = False,
+):
     """Writes config.json, megatron_gspo.json and model/ into the existing directory `path` (all ranks call).
 
     Not atomic: for callers that write into a temporary directory of their own (the trainer's iteration dir);
-    everyone else uses `save_model_checkpoint`.
+    everyone else uses `save_model_checkpoint`. `asynchronous`: the tensors of model/ are written later, by the
+    AsyncRequest returned (checkpoint/dist_io.py `dist_save`); otherwise None is returned, everything written.
     """
-    from megatron.core import dist_checkpointing
-
     require_dist()
     chunks = _unwrap(chunks)
     built = getattr(chunks[0], "model_config", None)
@@ -265,16 +269,14 @@ def write_model_checkpoint(
     config_text = json.dumps(model_config.to_hf_dict(), indent=2) + "\n"
     root = Path(path)
     rank0(lambda: (root / MODEL_DIR).mkdir(parents=True, exist_ok=True), f"creating {root / MODEL_DIR}")
-    with quiet_dcp():
-        dist_checkpointing.save(
-            model_sharded_state_dict(chunks), str(root / MODEL_DIR), sharded_strategy=dist_save_strategy()
-        )
+    request = dist_save(model_sharded_state_dict(chunks), str(root / MODEL_DIR), asynchronous=asynchronous)
 
     def write_json() -> None:
         (root / CONFIG_NAME).write_text(config_text)
         (root / INFO_NAME).write_text(info_text)
 
     rank0(write_json, f"writing {root / CONFIG_NAME}")
+    return request
 
 
 def save_model_checkpoint(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import CheckpointException
 
-from megatron_gspo.checkpoint.dist_io import dist_save_strategy, quiet_dcp, rank0, require_dist
+from megatron_gspo.checkpoint.dist_io import dist_save, quiet_dcp, rank0, require_dist
 from megatron_gspo.checkpoint.model_io import model_sharded_state_dict, use_stored_names
 from megatron_gspo.errors import describe
 
@@ -54,8 +54,9 @@ def _is_distributed(optimizer) -> bool:
     return all(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None:
-    """Writes `path/optimizer/` (all ranks call; the caller manages `path` and its atomic rename).
+def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path, *, asynchronous: bool = False):
+    """Writes `path/optimizer/` (all ranks call; the caller manages `path` and its atomic rename). `asynchronous`:
+    returns the AsyncRequest that writes its tensors (checkpoint/dist_io.py `dist_save`), else None.
 
     Distributed optimizer: each sub-optimizer's parameter state (megatron's `fully_reshardable` tensors, keyed by
     the model's global keys) under `param_state.<i>`, and the param groups of all sub-optimizers (hyperparameters
@@ -64,8 +65,6 @@ def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None
     its DP rank 0 in host memory (no device memory beyond the shards), which alone writes them: one copy of each
     element. The plain optimizer (optim.distributed=false) is stored as megatron builds it and resumes only in
     its own layout."""
-    from megatron.core import dist_checkpointing
-
     require_dist()
     root = Path(path) / OPTIMIZER_DIR
     _allocate_torch_adam_state(optimizer)  # a checkpoint before the first step
@@ -79,8 +78,7 @@ def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None
     else:
         state = {"format": "plain", "optimizer": sharded, "scheduler": scheduler.state_dict()}
     rank0(lambda: root.mkdir(parents=True, exist_ok=True), f"creating {root}")
-    with quiet_dcp():
-        dist_checkpointing.save(state, str(root), sharded_strategy=dist_save_strategy())
+    return dist_save(state, str(root), asynchronous=asynchronous)
 
 
 def _allocate_torch_adam_state(optimizer) -> None:

@@ -68,6 +68,11 @@ _MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.inference.contexts.static_context",
     "megatron.core.dist_checkpointing.strategies.torch",
+    # asynchronous checkpoint saves: a CUDA sync before forking the writer, the D2H staging's sync, and the
+    # all-reduces of "is every rank's writer done" / "did any fail" on int tensors of the current device
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.exchange_utils",
 )
 

@@ -11,7 +11,11 @@ Layout of `checkpoints/`:
 A save: every rank writes its files into `iter_N.tmp` (fsynced by their writers); all ranks agree that every rank
 succeeded; rank 0 writes trainer_state.json, fsyncs every file and directory of the tree, renames it to `iter_N`,
 fsyncs `checkpoints/`, then writes `latest` the same way. A failure on any rank (a full disk, a killed process)
-leaves no `iter_N` and removes `iter_N.tmp`. Replacing or pruning a directory renames it to `*.trash` first, so a
+leaves no `iter_N` and removes `iter_N.tmp`. An asynchronous save (trainer.async_save) does the same in two
+halves: `save` writes what is small and starts megatron's writer processes for the tensors (a snapshot of them;
+checkpoint/async_writes.py), training goes on, and the `poll` after a later step (or `wait`) that finds every
+rank's writes done does the agreement, rename and `latest`; a kill before that leaves the previous checkpoint as
+the newest, and the unfinished `iter_N.tmp` for the next save to remove. Replacing or pruning a directory renames it to `*.trash` first, so a
 kill mid-deletion never leaves a half-deleted `iter_N` behind; a replaced copy of the same step is deleted only
 after the new one is renamed into place and `latest` names it.
 
@@ -25,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checkpoint.async_writes import AsyncWrites
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
 from megatron_gspo.errors import RunFailure, describe
 
@@ -42,6 +48,10 @@ _ITER = "iter_{:07d}"
 _ITER_RE = re.compile(r"iter_(\d+)")
 STATE = "trainer_state.json"
 LATEST = "latest"
+
+
+_AS_RANK0 = RuntimeError("the checkpoint writers failed (megatron reports the details on rank 0)")
+_AS_RANK0_TEXT = describe(_AS_RANK0)
 
 
 class CheckpointWriteError(RunFailure):
@@ -64,6 +74,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.run_id = run_id
         self._warned_foreign = False
+        self._writes = AsyncWrites()
+        self._pending: tuple | None = None  # (step, final, tmp, trainer_state text, start time) while in flight
 
     # ---- reading -------------------------------------------------------------------------------------
     def read_state(self, path: Path) -> dict | None:
@@ -117,9 +129,18 @@ class CheckpointManager:
         return done[-1]
 
     # ---- writing (collective) --------------------------------------------------------------------------
-    def save(self, step: int, write_contents: Callable[[Path], None], trainer_state: dict) -> Path:
+    def save(
+        self, step: int, write_contents: Callable[[Path], list | None], trainer_state: dict, *, asynchronous: bool = False
+    ) -> Path:
         """Writes checkpoint `iter_<step>` (all ranks call): `write_contents(tmp_dir)` runs on every rank, then the
-        protocol above. Raises CheckpointWriteError on every rank when any rank failed, leaving nothing behind."""
+        protocol above. Raises CheckpointWriteError on every rank when any rank failed, leaving nothing behind.
+
+        `asynchronous`: `write_contents` returns the AsyncRequests of the parts it left to megatron's writers
+        (checkpoint/async_writes.py); they are started and `save` returns the path the checkpoint will have. It
+        becomes `iter_<step>` (the rename, `latest`, pruning) only when `poll` or `wait` finds every rank's writes
+        done; until then `latest` names the previous one, which a kill leaves as the newest. A save first waits
+        for the one in flight."""
+        self.wait()
         rank = dist.get_rank()
         final = self.root / _ITER.format(step)
         tmp = self.root / (final.name + ".tmp")
@@ -133,16 +154,72 @@ class CheckpointManager:
             fsync_path(self.root)
 
         self._collective(prepare if rank == 0 else None, f"checkpoint {final}: cannot create {tmp}", tmp)
+        error = None
         try:
-            write_contents(tmp)
-            error = None
+            requests = write_contents(tmp)
+            if asynchronous:
+                self._writes.start(requests or [])
         except (KeyboardInterrupt, SystemExit):
+            self._writes.abort()
             if rank == 0:
                 self._discard(tmp)
             raise
         except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
             error = err
-        self._agree(error, f"checkpoint {final.name} not written", tmp)
+        self._agree(error, f"checkpoint {final.name} not written", tmp, on_failure=self._writes.abort)
+        if asynchronous:
+            self._pending = (step, final, tmp, state_text, time.monotonic())
+            return final
+        self._complete(final, tmp, state_text)
+        return final
+
+    def poll(self) -> Path | None:
+        """Completes the checkpoint in flight if every rank's writes are done (all ranks call, at the same point:
+        one all-reduce); returns its path then, else None."""
+        return self._finish_pending(blocking=False)
+
+    def wait(self) -> Path | None:
+        """Waits for the checkpoint in flight and completes it (all ranks call); its path, or None if none was."""
+        return self._finish_pending(blocking=True)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the checkpoint whose writes are in flight (None: none is)."""
+        return None if self._pending is None else self._pending[0]
+
+    def close(self) -> None:
+        """Abandons a checkpoint in flight (no collective: for a run going down; its `.tmp` is removed by the next
+        save). A run that ends normally `wait`s instead."""
+        if self._pending is not None:
+            log.warning("checkpoint %s abandoned while it was written", self._pending[1].name)
+        self._writes.abort()
+        self._pending = None
+
+    def _finish_pending(self, blocking: bool) -> Path | None:
+        if self._pending is None:
+            return None
+        step, final, tmp, state_text, started = self._pending
+        error = None
+        try:
+            if not self._writes.finish(blocking):
+                return None
+        except (KeyboardInterrupt, SystemExit):
+            self.close()
+            raise
+        except BaseException as err:  # noqa: BLE001 - megatron's CheckpointException (raised on every rank)
+            error = err
+            if dist.get_rank() != 0 and type(err).__name__ == "CheckpointException" and not err.failures:
+                # megatron's finalize raises on every rank when any writer failed, with the details on its
+                # coordinator (rank 0) only: the others have nothing of their own to report.
+                error = _AS_RANK0
+        self._pending = None
+        self._agree(error, f"checkpoint {final.name} not written", tmp, on_failure=self._writes.abort)
+        self._complete(final, tmp, state_text)
+        log.info("checkpoint %s complete (written in the background for %.1f s)", final.name, time.monotonic() - started)
+        return final
+
+    def _complete(self, final: Path, tmp: Path, state_text: str) -> None:
+        """trainer_state.json, fsync of the tree, rename, `latest`, pruning (rank 0; every rank learns the outcome)."""
 
         def finish() -> None:
             with open(tmp / STATE, "w") as fh:
@@ -170,8 +247,7 @@ class CheckpointManager:
                 shutil.rmtree(replaced, ignore_errors=True)
             self._prune()
 
-        self._collective(finish if rank == 0 else None, f"checkpoint {final.name} not completed", tmp)
-        return final
+        self._collective(finish if dist.get_rank() == 0 else None, f"checkpoint {final.name} not completed", tmp)
 
     def _collective(self, action: Callable[[], None] | None, what: str, tmp: Path) -> None:
         """Runs `action` (rank 0 passes one) and makes every rank raise if it failed."""
@@ -186,9 +262,12 @@ class CheckpointManager:
                 error = err
         self._agree(error, what, tmp)
 
-    def _agree(self, error: BaseException | None, what: str, tmp: Path) -> None:
-        """Every rank learns which ranks failed; all raise CheckpointWriteError naming them (rank 0 cleans up)."""
-        mine = None if error is None else describe(error)
+    def _agree(
+        self, error: BaseException | None, what: str, tmp: Path, on_failure: Callable[[], None] | None = None
+    ) -> None:
+        """Every rank learns which ranks failed; all run `on_failure` and raise CheckpointWriteError naming them
+        (rank 0 cleans up)."""
+        mine = None if error is None else (_AS_RANK0_TEXT if error is _AS_RANK0 else describe(error))
         if dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
@@ -197,6 +276,9 @@ class CheckpointManager:
         failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
         if not failed:
             return
+        failed = [(r, m) for r, m in failed if m != _AS_RANK0_TEXT] or failed
+        if on_failure is not None:
+            on_failure()
         cleaned = ""
         if dist.get_rank() == 0 and tmp.exists():
             try:
@@ -230,7 +312,7 @@ class CheckpointManager:
             (mine if state.get("run_id") == self.run_id else foreign).append(path)
         for old in mine[: -self.keep_last]:
             self._discard(old)
-        for stale in self.root.glob("*.trash"):
+        for stale in [*self.root.glob("*.trash"), *self.root.glob("iter_*.tmp")]:  # a killed run's unfinished ones
             shutil.rmtree(stale, ignore_errors=True)
         if foreign and not self._warned_foreign:
             self._warned_foreign = True

@@ -93,16 +93,19 @@ def layout_changes(saved: dict, current: dict) -> list[str]:
     return [f"{k} {saved[k]} -> {current.get(k)}" for k in sorted(saved) if saved[k] != current.get(k)]
 
 
-def write_trainer_contents(path: Path, rt, step: int, run_config_text: str) -> None:
+def write_trainer_contents(path: Path, rt, step: int, run_config_text: str, *, asynchronous: bool = False) -> list:
     """Writes this rank's share of the step-`step` trainer checkpoint into the existing directory `path` (all
-    ranks call)."""
+    ranks call). `asynchronous`: the model and optimizer tensors are left to the AsyncRequests returned (the
+    CheckpointManager starts them); otherwise everything is written and the list is empty."""
     from megatron_gspo.checkpoint.model_io import write_model_checkpoint
     from megatron_gspo.checkpoint.optimizer_io import write_optimizer_checkpoint
 
     rank = dist.get_rank()
     rt.params_ready()
-    write_model_checkpoint(rt.models, path, rt.model_config, metadata={"step": step})
-    write_optimizer_checkpoint(rt.chunks, rt.optimizer, rt.scheduler, path)
+    requests = [
+        write_model_checkpoint(rt.models, path, rt.model_config, metadata={"step": step}, asynchronous=asynchronous),
+        write_optimizer_checkpoint(rt.chunks, rt.optimizer, rt.scheduler, path, asynchronous=asynchronous),
+    ]
     (path / "rng").mkdir(parents=True, exist_ok=True)
     save_durably(_rng_state(), path / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
@@ -110,6 +113,7 @@ def write_trainer_contents(path: Path, rt, step: int, run_config_text: str) -> N
             fh.write(run_config_text)
             fh.flush()
             os.fsync(fh.fileno())
+    return [r for r in requests if r is not None]
 
 
 def load_trainer_contents(path: Path, rt, *, same_layout: bool = True) -> None:

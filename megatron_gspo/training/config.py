@@ -161,6 +161,12 @@ class TrainerConfig:
     """Checkpoints kept."""
     save_final: bool = True
     """Write a checkpoint when training ends."""
+    async_save: bool = False
+    """Periodic checkpoints (ckpt_every) are written in the background (megatron-LM's --async-save): the step
+    that saves stages the model and optimizer tensors in host memory and forks a writer process per rank, and
+    training goes on; the checkpoint becomes `iter_N` / `latest` at the first step boundary after every rank's
+    writer finished (training/checkpoint.py). Costs host memory for one copy of each rank's share while it is
+    written. The final checkpoint and the one a stop signal writes are waited for."""
     progress: bool = True
     """Show a progress bar."""
     hang_warning_s: float = 600.0

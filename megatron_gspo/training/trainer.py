@@ -448,9 +448,11 @@ class GSPOTrainer:
             self.rt, seed=self.cfg.trainer.seed + 1_000_003 * (self.step + 1), scorer=self.scorer.sharing()
         )
 
-    def checkpoint(self) -> Path:
-        """Writes checkpoint iter_<step> (atomic; training/checkpoint.py) and returns its path."""
+    def checkpoint(self, *, background: bool = False) -> Path:
+        """Writes checkpoint iter_<step> (atomic; training/checkpoint.py) and returns its path. `background` (with
+        trainer.async_save): returns once the tensors are staged; the checkpoint completes at a later `poll`."""
         self.watchdog.mark("checkpoint")
+        asynchronous = background and self.cfg.trainer.async_save
         config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
         state = {**self.state_dict(), "format": FORMAT, "layout": current_layout(self.rt)}
         offloaded = self.offload is not None and self.offload.offloaded
@@ -458,7 +460,10 @@ class GSPOTrainer:
             self.offload.reload()
         try:
             return self.ckpt.save(
-                self.step, lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text), state
+                self.step,
+                lambda tmp: write_trainer_contents(tmp, self.rt, self.step, config_text, asynchronous=asynchronous),
+                state,
+                asynchronous=asynchronous,
             )
         finally:
             if offloaded:
@@ -548,7 +553,9 @@ class GSPOTrainer:
             self.history.append(step_metrics)
             bar.update(step_metrics)
             if failure is not None:
+                self.ckpt.wait()  # a checkpoint in flight predates the failure: keep it
                 raise RunFailure(failure)
+            self.ckpt.poll()
             if stop is not None:
                 bar.close()
                 self._stop(stop, wall_before + time.time() - start_time)
@@ -556,7 +563,7 @@ class GSPOTrainer:
                 self.logger.log_eval(self.step, self.evaluate())
             if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
                 self.summary["wall_seconds"] = wall_before + time.time() - start_time
-                self.checkpoint()
+                self.checkpoint(background=True)
         bar.close()
         after = self.evaluate()
         self.logger.log_eval(self.step, after)
@@ -569,6 +576,7 @@ class GSPOTrainer:
         )
         if t.save_final:
             self.checkpoint()
+        self.ckpt.wait()
         self.watchdog.mark(None)
         self.logger.write_summary(self.summary)
         log.info(
@@ -578,6 +586,7 @@ class GSPOTrainer:
         return self.summary
 
     def close(self) -> None:
+        self.ckpt.close()
         self.stop_signals.restore()
         self.watchdog.close()
         self.scorer.close()

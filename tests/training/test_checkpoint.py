@@ -119,13 +119,15 @@ def test_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(tmp_path):
 
 
 def _fake_save(root: str) -> dict:
-    """Saves through CheckpointManager with a trivial writer: replaces this run's own step, never another run's."""
+    """Saves through CheckpointManager with a trivial writer: replaces this run's own step, never another run's,
+    and removes a killed run's unfinished directory."""
     from megatron_gspo.parallel import initialize
     from megatron_gspo.parallel.config import ParallelConfig
     from megatron_gspo.training.checkpoint import CheckpointManager, CheckpointWriteError
 
     initialize(ParallelConfig())
     manager = CheckpointManager(Path(root), keep_last=5, run_id="mine")
+    (Path(root) / "iter_0000002.tmp" / "model").mkdir(parents=True)  # a killed run's unfinished write
 
     def write(tmp):
         (tmp / "data.txt").write_text("new")
@@ -141,7 +143,7 @@ def _fake_save(root: str) -> dict:
     return dict(error=error, entries=sorted(os.listdir(root)))
 
 
-def test_a_save_replaces_its_own_step_but_never_another_runs(tmp_path):
+def test_a_save_replaces_its_own_step_but_never_another_runs_and_removes_unfinished_ones(tmp_path):
     out = run_distributed(_fake_save, str(tmp_path / "c"), world_size=1)[0]
     assert "belongs to another run (run id theirs): move it away" in out["error"]
     assert out["entries"] == ["iter_0000003", "iter_0000004", "latest"]

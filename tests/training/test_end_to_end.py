@@ -138,6 +138,16 @@ def test_killed_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_killed_run_with_background_checkpoints_resumes_exactly(tmp_path):
+    """trainer.async_save: a checkpoint becomes `latest` a step after it was started (megatron's forked writers),
+    the kill comes while the next one may be in flight, and the resumed run removes what that one left."""
+    _kill_and_resume(tmp_path, ["trainer.steps=4", "trainer.ckpt_every=1", "trainer.save_final=false",
+                                "trainer.async_save=true"], 4, 2)
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == [
+        "iter_0000002", "iter_0000003", "latest"]  # keep_last=2; no iter_*.tmp of the killed run
+
+
+@pytest.mark.slow
 def test_killed_data_parallel_dynamic_sampling_run_resumes_exactly(tmp_path):
     """DP=2 with top-ups: the sampler position (global, the same on both ranks) and each rank's state resume; with
     token-budget micro-batches of re-dealt (balanced) sequences and R2 replay, as a cluster runs."""

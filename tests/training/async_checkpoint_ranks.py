@@ -1,0 +1,159 @@
+"""Rank functions of the asynchronous-checkpoint tests (trainer.async_save): megatron's real forked writers, on
+gloo, in the layout given (EP=2: both ranks write model and optimizer files, the dense optimizer state only DP
+rank 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from tests.training.resume_layout_ranks import COMMON, EXAMPLE, _state
+
+
+@contextlib.contextmanager
+def slow_writers(seconds: float, fail_on_rank: int | None = None):
+    """megatron's tensor-file writer processes (forked from this one, so they inherit the patch) wait `seconds`
+    before writing; on rank `fail_on_rank` their disk is full (tests/training/full_disk.py: the writes of their
+    .distcp files fail with ENOSPC inside megatron's writer, which reports it as it would a real one)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from tests.training.full_disk import fill_disk
+
+    original = FileSystemWriterAsync.write_preloaded_data
+    failing = dist.get_rank() == fail_on_rank
+
+    def write(*args, **kwargs):
+        time.sleep(seconds)
+        if failing:
+            fill_disk(".distcp")  # in the writer process only
+        original(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write)
+    try:
+        yield
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(original)
+
+
+def _trainer(run_dir: str, extra=(), resume: bool = False):
+    from megatron_gspo.training.config import load_run_config
+    from megatron_gspo.training.trainer import GSPOTrainer
+
+    cfg = load_run_config(EXAMPLE, [*COMMON, f"trainer.run_dir={run_dir}", "trainer.async_save=true", *extra])
+    return GSPOTrainer(cfg, resume=resume)
+
+
+def _next_group() -> None:
+    # A process group on the port of a destroyed one waits for the old store: the next trainer uses the next port.
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+
+
+def _entries(root) -> list[str]:
+    return sorted(os.listdir(root)) if root.is_dir() else []
+
+
+def save_while_training(run_dir: str, extra=()) -> dict:
+    """Step 1's checkpoint is started in the background (its writers slowed down), the next update runs while it
+    is written, then it is waited for; a new trainer resumes from it. Returns the states to compare and what the
+    checkpoint directory showed at each point."""
+    import torch.distributed as dist
+
+    trainer = _trainer(run_dir, extra)
+    root = trainer.ckpt.root
+    seen: dict = {"device": str(trainer.rt.device)}
+    try:
+        batch, _ = trainer.collect(step_seed=123)
+        trainer.old_logprobs(batch)
+        trainer.update(batch)
+        trainer.step = 1
+        with slow_writers(3.0):
+            started = time.monotonic()
+            path = trainer.checkpoint(background=True)
+            seen["save_s"] = time.monotonic() - started
+            seen["in_flight"] = trainer.ckpt.in_flight
+            saved = _state(trainer)
+            trainer.update(batch)  # changes weights, masters and moments while the writers run
+            after = _state(trainer)
+            seen["poll"] = trainer.ckpt.poll()  # the writers still sleep: not complete, nothing renamed
+            seen["while_writing"] = _entries(root)
+            seen["latest_while_writing"] = trainer.ckpt.find_latest()
+            dist.barrier()
+            done = trainer.ckpt.wait()
+        seen["done"] = str(done) if done else None
+        seen["path"] = str(path)
+        seen["after_wait"] = _entries(root)
+        seen["latest"] = (root / "latest").read_text().strip()
+    finally:
+        trainer.close()
+    _next_group()
+    trainer = _trainer(run_dir, extra, resume=True)
+    try:
+        resumed = _state(trainer)
+    finally:
+        trainer.close()
+    return dict(saved=saved, after=after, resumed=resumed, **seen)
+
+
+@contextlib.contextmanager
+def failing_start(on_rank: int):
+    """Staging the tensors for the writer fails on rank `on_rank` (as a device-to-host copy that runs out of host
+    memory would), after the other ranks' writers have started."""
+    import torch.distributed as dist
+
+    from megatron_gspo.checkpoint import async_writes
+
+    original = async_writes._stage_parts
+
+    def stage(parts):
+        if dist.get_rank() == on_rank:
+            time.sleep(1.0)
+            raise MemoryError("staging the checkpoint tensors in host memory failed")
+        return original(parts)
+
+    async_writes._stage_parts = stage
+    try:
+        yield
+    finally:
+        async_writes._stage_parts = original
+
+
+def failing_writer(run_dir: str, fail_on_rank: int, what: str = "writer", extra=()) -> dict:
+    """Checkpoint 1 completes; checkpoint 2 fails on rank `fail_on_rank`: its writers (`writer`: ENOSPC) or the
+    start of its writer (`start`). What every rank sees, and whether checkpoint 3 works."""
+    import torch.distributed as dist
+
+    from megatron_gspo.training.checkpoint import CheckpointWriteError
+
+    trainer = _trainer(run_dir, extra)
+    root = trainer.ckpt.root
+    try:
+        trainer.step = 1
+        trainer.checkpoint(background=True)
+        first = trainer.ckpt.wait()
+        trainer.step = 2
+        failing = failing_start(fail_on_rank) if what == "start" else slow_writers(1.0, fail_on_rank=fail_on_rank)
+        with failing:  # (`start`: the writer the other rank started is still running when the failure is known)
+            try:
+                trainer.checkpoint(background=True)  # `start` fails here, `writer` at the wait
+                trainer.ckpt.wait()
+                error = None
+            except CheckpointWriteError as err:
+                error = str(err)
+        dist.barrier()
+        in_flight = trainer.ckpt.in_flight
+        # What a writer that was killed had reported must not be read by the next checkpoint's finalize (the
+        # parts' results are read from this one queue in turn; file names repeat, so stale ones look valid).
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        queue = filesystem_async._results_queue
+        stale = queue.qsize() if queue is not None else 0
+        trainer.step = 3  # the next checkpoint works again (nothing stale is read from megatron's result queue)
+        trainer.checkpoint(background=True)
+        third = trainer.ckpt.wait()
+        return dict(first=str(first), error=error, in_flight=in_flight, stale=stale, third=str(third),
+                    entries=_entries(root),
+                    latest=(root / "latest").read_text().strip())
+    finally:
+        trainer.close()

@@ -1,0 +1,63 @@
+"""Asynchronous checkpoints (trainer.async_save): megatron's forked writers write a snapshot of the step's state
+while training goes on; the checkpoint becomes visible only once every rank's writes are done; a failed writer
+fails every rank and leaves the previous checkpoint as the newest."""
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.training.async_checkpoint_ranks import failing_writer, save_while_training
+
+EP2 = ("parallel.ep=2", "model.dtype=bf16")  # dense params DP=2 (distributed optimizer), experts EP=2
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _moved(after: dict, saved: dict) -> int:
+    return sum(not torch.equal(t, saved[name]) for name, t in after.items())
+
+
+def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_path):
+    outs = run_distributed(save_while_training, str(tmp_path / "run"), EP2, world_size=2)
+    for out in outs:
+        assert out["in_flight"] == 1 and out["poll"] is None
+        # While the writers run: only the unfinished directory, no `latest`, nothing a resume would pick.
+        assert out["while_writing"] == ["iter_0000001.tmp"] and out["latest_while_writing"] is None
+        assert out["done"] == out["path"] and out["after_wait"] == ["iter_0000001", "latest"]
+        assert out["latest"] == "iter_0000001"
+        assert out["save_s"] < 3.0  # the 3 s the writers sleep were not waited for
+        # The resumed state is the state at the save, not the one the update during the write made.
+        assert _same(out["resumed"], out["saved"])
+        assert _moved(out["after"]["weights"], out["saved"]["weights"])
+        for key in ("param", "exp_avg", "exp_avg_sq"):  # fp32 masters and moments
+            assert _moved(out["after"]["optimizer"][key], out["saved"]["optimizer"][key]), key
+    assert _same(outs[0]["resumed"], outs[1]["resumed"])
+
+
+@pytest.mark.parametrize("rank, what", [(0, "writer"), (1, "writer"), (1, "start")])
+def test_a_failed_write_fails_every_rank_and_the_next_checkpoint_works(tmp_path, rank, what):
+    outs = run_distributed(failing_writer, str(tmp_path / "run"), rank, what, EP2, world_size=2)
+    cause = "No space left on device" if what == "writer" else "MemoryError: staging the checkpoint tensors"
+    for out in outs:
+        assert out["error"] is not None and out["error"].startswith("checkpoint iter_0000002 not written")
+        assert cause in out["error"] and f"rank {rank}" in out["error"] and "\n" not in out["error"], out["error"]
+        assert out["in_flight"] is None and out["stale"] == 0
+        assert out["third"].endswith("iter_0000003") and out["latest"] == "iter_0000003"
+        assert out["entries"] == ["iter_0000001", "iter_0000003", "latest"]  # keep_last=2; no .tmp left
+
+
+@pytest.mark.gpu
+def test_an_async_checkpoint_on_cuda_holds_its_steps_state(tmp_path):
+    """tools/gpu_smoke.sh part async-save: on a GPU the writer cannot read device memory; the tensors are staged in
+    host memory before it forks, so the update during the write must not reach the checkpoint either."""
+    (out,) = run_distributed(save_while_training, str(tmp_path / "run"), ("model.dtype=bf16",), world_size=1)
+    assert out["device"].startswith("cuda")
+    assert out["in_flight"] == 1 and out["poll"] is None and out["while_writing"] == ["iter_0000001.tmp"]
+    assert out["latest"] == "iter_0000001" and out["save_s"] < 3.0
+    assert _same(out["resumed"], out["saved"]) and _moved(out["after"]["weights"], out["saved"]["weights"])
