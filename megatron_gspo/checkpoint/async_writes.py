@@ -29,6 +29,7 @@ from functools import partial
 
 import torch.distributed as dist
 
+
 def _write_parts(parts: list, rank: int, staged: list, _unused) -> None:
     """The writer process: each part's own write function on the tensors staged for it, in order."""
     for request, buckets in zip(parts, staged):
