@@ -63,8 +63,9 @@ def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path, *, asyn
     and Adam's step) as one common list, so a layout with another split into dense / expert sub-optimizers (EP=1
     has one, EP>1 two) finds its groups. The `mem_efficient` exchange gathers each DP group's shards over gloo on
     its DP rank 0 in host memory (no device memory beyond the shards), which alone writes them: one copy of each
-    element. The plain optimizer (optim.distributed=false) is stored as megatron builds it and resumes only in
-    its own layout."""
+    element. The plain optimizer (optim.distributed=false) is stored as megatron builds it (every DP rank holds
+    the whole state; its replica 0 writes): it reshards over TP / PP / DP, but its state is keyed by sub-optimizer
+    and megatron splits off an expert optimizer for EP > 1 only, so the trainer refuses an EP change for it."""
     require_dist()
     root = Path(path) / OPTIMIZER_DIR
     _allocate_torch_adam_state(optimizer)  # a checkpoint before the first step

@@ -32,6 +32,7 @@ RESUMABLE = {
     "trainer.ckpt_every": "checkpoint cadence",
     "trainer.keep_last": "checkpoints kept",
     "trainer.save_final": "final checkpoint",
+    "trainer.async_save": "how checkpoints are written (the same files)",
     "trainer.progress": "progress bar",
     "trainer.run_dir": "the run directory may have moved",
     "trainer.hang_warning_s": "hang warnings",

@@ -154,6 +154,17 @@ class GSPOTrainer:
                 f"{state.get('format', 1)}), which this version does not resume: start a new run with "
                 f"model.load={path} (weights only)"
             )
+        layout = state.get("layout") or {}
+        if layout.get("distributed_optimizer") is False and not self.cfg.optim.distributed and (
+            layout.get("ep", 1) != self.cfg.parallel.ep
+        ):
+            # The plain optimizer's state is keyed by sub-optimizer, and megatron splits off an expert optimizer
+            # for EP > 1 only: it reshards over TP / PP / DP (tests/training/test_resume_layout.py), not over EP.
+            raise ValueError(
+                f"{path} holds the plain optimizer's state (optim.distributed=false), which does not resume with "
+                f"another expert-parallel size (ep {layout.get('ep', 1)} -> {self.cfg.parallel.ep}): resume with "
+                f"parallel.ep={layout.get('ep', 1)}"
+            )
         saved = path / RUN_CONFIG
         if saved.is_file():
             aux = self.cfg.model.model_config().router_aux_loss_coef

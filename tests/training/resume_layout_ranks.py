@@ -23,7 +23,8 @@ eps = 1e-4 bounds how much the update can react to a rounding difference of anot
 
 
 def _layout_args(layout: dict) -> list[str]:
-    return [f"parallel.{k}={str(v).lower()}" for k, v in layout.items()]
+    """parallel.<k>=v for each entry; dotted keys (e.g. optim.distributed) as they are."""
+    return [f"{k if '.' in k else 'parallel.' + k}={str(v).lower()}" for k, v in layout.items()]
 
 
 def _global_batch(trainer, batch):

@@ -1,5 +1,6 @@
 """A trainer checkpoint resumes in another layout (2 gloo ranks): saved with TP=2 (DP=1) and resumed with DP=2,
-saved with EP=2 and resumed with EP=1, saved with PP=2 and resumed with PP=1 (DP=2).
+saved with EP=2 and resumed with EP=1, saved with PP=2 and resumed with PP=1 (DP=2); with the plain optimizer too, TP=2
+to DP=2.
 
 The resumed state is the saved one, gathered to one layout: weights, fp32 master weights and Adam moments
 (bit-equal: resharding moves values, it does not compute them), Adam's step, the LR schedule and the sampler
@@ -14,12 +15,16 @@ import torch
 from tests.distributed import run_distributed
 from tests.training.resume_layout_ranks import resume_in_other_layouts
 
+PLAIN = {"optim.distributed": False}
 PAIRS = {
     "tp2_to_dp2": (dict(tp=2, sequence_parallel=True), {}),
     "ep2_to_ep1": (dict(ep=2), {}),
     "pp2_to_pp1": (dict(pp=2), {}),
+    # The plain optimizer (optim.distributed=false: every DP rank holds the whole state) reshards over TP too; an
+    # EP change is refused for it (tests/training/test_run_dir.py).
+    "plain_tp2_to_dp2": (dict(tp=2, sequence_parallel=True, **PLAIN), PLAIN),
 }
-CHANGED = {"tp2_to_dp2": "tp 2 -> 1", "ep2_to_ep1": "ep 2 -> 1", "pp2_to_pp1": "pp 2 -> 1"}
+CHANGED = {"tp2_to_dp2": "tp 2 -> 1", "ep2_to_ep1": "ep 2 -> 1", "pp2_to_pp1": "pp 2 -> 1", "plain_tp2_to_dp2": "tp 2 -> 1"}
 LOSS_METRICS = ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "approx_kl", "num_sequences", "num_tokens")
 
 

@@ -223,6 +223,10 @@ def test_micro_batching_may_change_on_resume_only_without_the_load_balancing_los
     with pytest.raises(ValueError, match=r"trainer\.micro_batch_size: 128 -> 4 changes the load-balancing loss.*"
                                          r"router_aux_loss_coef=0\.001 > 0\): keep trainer\.micro_batch_size=128"):
         check_resume_config(text, smaller, ckpt, 3, router_aux_loss_coef=0.001)
+    background = load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.async_save=true"]).to_dict()
+    assert check_resume_config(text, background, ckpt, 3, router_aux_loss_coef=0.001) == [
+        "trainer.async_save: False -> True"  # the same files, written in the background
+    ]
     packed = load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.batch_layout=packed"]).to_dict()
     budget = load_run_config("examples/tiny_moe_gspo.yaml", ["trainer.batch_layout=packed",
                                                              "trainer.max_tokens_per_micro_batch=64"]).to_dict()
@@ -272,3 +276,17 @@ def test_trim_log_and_latest_are_durable_and_a_stale_tmp_is_harmless(tmp_path, m
     write_durably(tmp_path / "latest", "iter_0000002\n")
     assert events.index(("replace", str(tmp_path / "latest"))) < events.index(("fsync", str(tmp_path.resolve())))
     assert (tmp_path / "latest").read_text() == "iter_0000002\n" and not (tmp_path / "latest.tmp").exists()
+
+
+def test_the_plain_optimizers_state_is_refused_with_another_expert_parallel_size(tmp_path):
+    # Refused before any model is built (from trainer_state.json's layout), so a stand-in checkpoint is enough.
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    layout = {"tp": 1, "pp": 1, "ep": 2, "dp": 1, "world_size": 2, "distributed_optimizer": False}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r", "world_size": 2, "format": 2,
+                                                         "layout": layout}))
+    (ckpt.parent / "latest").write_text("iter_0000002\n")
+    line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={tmp_path / 'run'}", "optim.distributed=false", "--resume",
+                                ok=False))
+    assert "holds the plain optimizer's state (optim.distributed=false), which does not resume with another" in line
+    assert "(ep 2 -> 1): resume with parallel.ep=2" in line
