@@ -127,7 +127,7 @@ summary() {
     exit "$failed"
 }
 
-GPU_PARTS=(env kernels bench train-1gpu bf16-load colocated-memory train-no-te train-2gpu device-1gpu device-2gpu packed sglang-sft sglang-hf
+GPU_PARTS=(env kernels bench train-1gpu bf16-load colocated-memory async-save train-no-te train-2gpu device-1gpu device-2gpu packed sglang-sft sglang-hf
     sglang-rl sglang-r3)
 skip_rest() {  # reason, parts...
     local reason="$1" p

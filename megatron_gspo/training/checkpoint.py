@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.async_writes import AsyncWrites
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
@@ -192,7 +193,7 @@ class CheckpointManager:
         save). A run that ends normally `wait`s instead."""
         if self._pending is not None:
             log.warning("checkpoint %s abandoned while it was written", self._pending[1].name)
-        self._writes.abort()
+        self._writes.close()
         self._pending = None
 
     def _finish_pending(self, blocking: bool) -> Path | None:
@@ -208,7 +209,7 @@ class CheckpointManager:
             raise
         except BaseException as err:  # noqa: BLE001 - megatron's CheckpointException (raised on every rank)
             error = err
-            if dist.get_rank() != 0 and type(err).__name__ == "CheckpointException" and not err.failures:
+            if dist.get_rank() != 0 and isinstance(err, CheckpointException) and not err.failures:
                 # megatron's finalize raises on every rank when any writer failed, with the details on its
                 # coordinator (rank 0) only: the others have nothing of their own to report.
                 error = _AS_RANK0
@@ -312,7 +313,9 @@ class CheckpointManager:
             (mine if state.get("run_id") == self.run_id else foreign).append(path)
         for old in mine[: -self.keep_last]:
             self._discard(old)
-        for stale in [*self.root.glob("*.trash"), *self.root.glob("iter_*.tmp")]:  # a killed run's unfinished ones
+        # A killed run's unfinished directories too (nothing of this run is in flight now; two runs writing into
+        # one run directory at once are not supported: the trainer refuses a directory that holds a run).
+        for stale in [*self.root.glob("*.trash"), *self.root.glob("iter_*.tmp")]:
             shutil.rmtree(stale, ignore_errors=True)
         if foreign and not self._warned_foreign:
             self._warned_foreign = True

@@ -166,7 +166,11 @@ class TrainerConfig:
     that saves stages the model and optimizer tensors in host memory and forks a writer process per rank, and
     training goes on; the checkpoint becomes `iter_N` / `latest` at the first step boundary after every rank's
     writer finished (training/checkpoint.py). Costs host memory for one copy of each rank's share while it is
-    written. The final checkpoint and the one a stop signal writes are waited for."""
+    written (on a GPU pinned memory, which PyTorch keeps cached afterwards). The final checkpoint and the one a
+    stop signal writes are waited for. megatron's writers report through a process started with the `spawn`
+    method, which imports the main module again: a script that runs the trainer itself must guard its entry
+    point with `if __name__ == "__main__":` (the megatron-gspo CLI does). A writer that dies without reporting
+    (an OOM-killed child) makes the next wait block: trainer.hang_warning_s names the `checkpoint` phase."""
     progress: bool = True
     """Show a progress bar."""
     hang_warning_s: float = 600.0

@@ -33,7 +33,7 @@ from megatron_gspo.training.batch import (
     policy_forward_step,
     policy_units,
 )
-from megatron_gspo.training.checkpoint import CheckpointManager, new_run_id
+from megatron_gspo.training.checkpoint import CheckpointManager, CheckpointWriteError, new_run_id
 from megatron_gspo.training.checkpoint_contents import (
     FORMAT,
     RUN_CONFIG,
@@ -564,7 +564,11 @@ class GSPOTrainer:
             self.history.append(step_metrics)
             bar.update(step_metrics)
             if failure is not None:
-                self.ckpt.wait()  # a checkpoint in flight predates the failure: keep it
+                try:
+                    self.ckpt.wait()  # a checkpoint in flight predates the failure: keep it
+                except CheckpointWriteError as err:  # the step's failure is what ended the run
+                    log.error("%s", err)
+                    raise RunFailure(failure) from err
                 raise RunFailure(failure)
             self.ckpt.poll()
             if stop is not None:

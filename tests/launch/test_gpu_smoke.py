@@ -13,9 +13,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
-    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "colocated-memory", "train-no-te", "train-2gpu", "device-1gpu",
-    "device-2gpu", "packed", "sglang-sft",
-    "sglang-hf", "sglang-rl", "sglang-r3",
+    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "colocated-memory", "async-save", "train-no-te",
+    "train-2gpu", "device-1gpu", "device-2gpu", "packed", "sglang-sft", "sglang-hf", "sglang-rl", "sglang-r3",
 )
 
 # A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with

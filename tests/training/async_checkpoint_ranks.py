@@ -5,14 +5,17 @@ rank 0)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
+import weakref
+from pathlib import Path
 
 from tests.training.resume_layout_ranks import COMMON, EXAMPLE, _state
 
 
 @contextlib.contextmanager
-def slow_writers(seconds: float, fail_on_rank: int | None = None):
+def slow_writers(seconds: float, fail_on_rank: int | None = None, pid_file: str | None = None):
     """megatron's tensor-file writer processes (forked from this one, so they inherit the patch) wait `seconds`
     before writing; on rank `fail_on_rank` their disk is full (tests/training/full_disk.py: the writes of their
     .distcp files fail with ENOSPC inside megatron's writer, which reports it as it would a real one)."""
@@ -25,6 +28,9 @@ def slow_writers(seconds: float, fail_on_rank: int | None = None):
     failing = dist.get_rank() == fail_on_rank
 
     def write(*args, **kwargs):
+        if pid_file is not None:  # each of megatron's per-file writer processes says who it is
+            with open(pid_file, "a") as fh:
+                fh.write(f"{os.getpid()}\n")
         time.sleep(seconds)
         if failing:
             fill_disk(".distcp")  # in the writer process only
@@ -35,6 +41,18 @@ def slow_writers(seconds: float, fail_on_rank: int | None = None):
         yield
     finally:
         FileSystemWriterAsync.write_preloaded_data = staticmethod(original)
+
+
+@contextlib.contextmanager
+def full_disk_here(fragment: str):
+    """This process's writes of files whose path contains `fragment` fail with ENOSPC (tests/training/full_disk.py)."""
+    from tests.training.full_disk import fill_disk, free_disk
+
+    fill_disk(fragment)
+    try:
+        yield
+    finally:
+        free_disk()
 
 
 def _trainer(run_dir: str, extra=(), resume: bool = False):
@@ -68,10 +86,12 @@ def save_while_training(run_dir: str, extra=()) -> dict:
         trainer.old_logprobs(batch)
         trainer.update(batch)
         trainer.step = 1
-        with slow_writers(3.0):
-            started = time.monotonic()
+        refs: list = []
+        with slow_writers(3.0), staged_copies(refs):
             path = trainer.checkpoint(background=True)
-            seen["save_s"] = time.monotonic() - started
+            gc.collect()
+            seen["staged"] = len(refs)
+            seen["staged_alive"] = sum(r() is not None for r in refs)  # while the writer reads them
             seen["in_flight"] = trainer.ckpt.in_flight
             saved = _state(trainer)
             trainer.update(batch)  # changes weights, masters and moments while the writers run
@@ -81,6 +101,8 @@ def save_while_training(run_dir: str, extra=()) -> dict:
             seen["latest_while_writing"] = trainer.ckpt.find_latest()
             dist.barrier()
             done = trainer.ckpt.wait()
+        gc.collect()
+        seen["staged_released"] = sum(r() is None for r in refs)
         seen["done"] = str(done) if done else None
         seen["path"] = str(path)
         seen["after_wait"] = _entries(root)
@@ -94,6 +116,32 @@ def save_while_training(run_dir: str, extra=()) -> dict:
     finally:
         trainer.close()
     return dict(saved=saved, after=after, resumed=resumed, **seen)
+
+
+@contextlib.contextmanager
+def staged_copies(refs: list):
+    """The staging hands the writer new tensors, as a GPU's device-to-host copy does (on a CPU megatron's staging
+    returns the tensors themselves), and `refs` gets a weak reference to each."""
+    from megatron_gspo.checkpoint import async_writes
+
+    original = async_writes._stage_parts
+
+    def stage(parts):
+        out = []
+        for buckets in original(parts):
+            copied = []
+            for file_name, storage_key, (bytes_data, tensor_data) in buckets:
+                tensors = [(item, t.clone()) for item, t in tensor_data]
+                refs.extend(weakref.ref(t) for _, t in tensors)
+                copied.append((file_name, storage_key, (bytes_data, tensors)))
+            out.append(copied)
+        return out
+
+    async_writes._stage_parts = stage
+    try:
+        yield
+    finally:
+        async_writes._stage_parts = original
 
 
 @contextlib.contextmanager
@@ -133,10 +181,17 @@ def failing_writer(run_dir: str, fail_on_rank: int, what: str = "writer", extra=
         trainer.checkpoint(background=True)
         first = trainer.ckpt.wait()
         trainer.step = 2
-        failing = failing_start(fail_on_rank) if what == "start" else slow_writers(1.0, fail_on_rank=fail_on_rank)
-        with failing:  # (`start`: the writer the other rank started is still running when the failure is known)
+        if what == "start":  # the writer the other rank started is still running when the failure is known
+            failing = contextlib.ExitStack()
+            failing.enter_context(slow_writers(3.0, pid_file=f"{run_dir}/writers_{dist.get_rank()}"))
+            failing.enter_context(failing_start(fail_on_rank))
+        elif what == "writer":
+            failing = slow_writers(1.0, fail_on_rank=fail_on_rank)
+        else:  # a file rank 0 writes in megatron's finalize functions, before a collective: a full disk for it
+            failing = full_disk_here(what) if dist.get_rank() == fail_on_rank else contextlib.nullcontext()
+        with failing:
             try:
-                trainer.checkpoint(background=True)  # `start` fails here, `writer` at the wait
+                trainer.checkpoint(background=True)  # `start` fails here, the others at the wait
                 trainer.ckpt.wait()
                 error = None
             except CheckpointWriteError as err:
@@ -152,7 +207,13 @@ def failing_writer(run_dir: str, fail_on_rank: int, what: str = "writer", extra=
         trainer.step = 3  # the next checkpoint works again (nothing stale is read from megatron's result queue)
         trainer.checkpoint(background=True)
         third = trainer.ckpt.wait()
+        import psutil
+
+        pids = Path(f"{run_dir}/writers_{dist.get_rank()}")
+        writers = [int(p) for p in pids.read_text().split()] if pids.is_file() else []
+        survivors = [p for p in writers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
         return dict(first=str(first), error=error, in_flight=in_flight, stale=stale, third=str(third),
+                    writers=len(writers), survivors=survivors,
                     entries=_entries(root),
                     latest=(root / "latest").read_text().strip())
     finally:

@@ -38,8 +38,8 @@ TP2 = ("parallel.tp=2", "parallel.sequence_parallel=true")  # so that rank 1 own
 
 @pytest.mark.parametrize(
     "fragment, rank_full, extra",
-    [("rng", 1, ()), (".distcp", 1, TP2), ("optimizer", 0, ()), ("trainer_state", 0, ())],
-    ids=["torch.save", "dist_checkpointing", "optimizer-dist_checkpointing", "rank0-json"],
+    [("rng", 1, ()), (".distcp", 1, TP2), ("optimizer", 0, ()), ("trainer_state", 0, ()), ("model/metadata.json", 0, TP2)],
+    ids=["torch.save", "dist_checkpointing", "optimizer-dist_checkpointing", "rank0-json", "rank0-megatron-metadata"],
 )
 def test_a_full_disk_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, fragment, rank_full, extra):
     outs = run_distributed(disk_full_on_one_rank, str(tmp_path / "run"), fragment, rank_full, extra, world_size=2)
