@@ -284,7 +284,10 @@ def run_command(func, args) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"megatron-gspo: {message}", file=sys.stderr, flush=True)
+    # One write of the whole line: the ranks of a stopped run report at the same moment into one stream, and
+    # print()'s separate writes of text and newline would interleave their lines.
+    sys.stderr.write(f"megatron-gspo: {message}\n")
+    sys.stderr.flush()
 
 
 _COLLECTIVE_MARKERS = ("third_party/gloo", "NCCL", "ProcessGroup", "c10d")

@@ -516,6 +516,7 @@ class GSPOTrainer:
         """Honours a stop signal after the step every rank finished: checkpoint, then StopRequested."""
         self.summary["wall_seconds"] = wall_seconds
         path = self.checkpoint()
+        self._stopped = True
         raise StopRequested(
             f"stopped by {signal_name} after step {self.step} of {self.cfg.trainer.steps}: checkpoint {path} "
             "written; continue with --resume",
@@ -607,5 +608,9 @@ class GSPOTrainer:
         self.scorer.close()
         self.logger.close()
         self.routing.close()
+        if getattr(self, "_stopped", False) and dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank leaves together: torchrun stops the others as soon as one exits (75), and a rank still
+            # closing (the logging rank flushes its logs) would be killed before it reports the stop.
+            dist.barrier()
         self.rt.close()
 
