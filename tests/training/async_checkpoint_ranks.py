@@ -167,54 +167,59 @@ def failing_start(on_rank: int):
         async_writes._stage_parts = original
 
 
-def failing_writer(run_dir: str, fail_on_rank: int, what: str = "writer", extra=()) -> dict:
-    """Checkpoint 1 completes; checkpoint 2 fails on rank `fail_on_rank`: its writers (`writer`: ENOSPC) or the
-    start of its writer (`start`). What every rank sees, and whether checkpoint 3 works."""
+def failing_writers(run_dir: str, cases, extra=()) -> list[dict]:
+    """Checkpoint 1 completes; then, for each `(rank, what)` case in turn on the same trainer, checkpoint N fails on
+    `rank` (`writer`: its writers hit ENOSPC; `start`: the start of its writer fails; otherwise a full disk for the
+    finalize file `what`) and checkpoint N+1 must work. What every rank saw, per case."""
     import torch.distributed as dist
 
     from megatron_gspo.training.checkpoint import CheckpointWriteError
 
     trainer = _trainer(run_dir, extra)
     root = trainer.ckpt.root
+    seen: list[dict] = []
     try:
         trainer.step = 1
         trainer.checkpoint(background=True)
-        first = trainer.ckpt.wait()
-        trainer.step = 2
-        if what == "start":  # the writer the other rank started is still running when the failure is known
-            failing = contextlib.ExitStack()
-            failing.enter_context(slow_writers(3.0, pid_file=f"{run_dir}/writers_{dist.get_rank()}"))
-            failing.enter_context(failing_start(fail_on_rank))
-        elif what == "writer":
-            failing = slow_writers(1.0, fail_on_rank=fail_on_rank)
-        else:  # a file rank 0 writes in megatron's finalize functions, before a collective: a full disk for it
-            failing = full_disk_here(what) if dist.get_rank() == fail_on_rank else contextlib.nullcontext()
-        with failing:
-            try:
-                trainer.checkpoint(background=True)  # `start` fails here, the others at the wait
-                trainer.ckpt.wait()
-                error = None
-            except CheckpointWriteError as err:
-                error = str(err)
-        dist.barrier()
-        in_flight = trainer.ckpt.in_flight
-        # What a writer that was killed had reported must not be read by the next checkpoint's finalize (the
-        # parts' results are read from this one queue in turn; file names repeat, so stale ones look valid).
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        trainer.ckpt.wait()
+        for fail_on_rank, what in cases:
+            trainer.step += 1
+            pid_file = f"{run_dir}/writers_{trainer.step}_{dist.get_rank()}"
+            if what == "start":  # the writer the other rank started is still running when the failure is known
+                failing = contextlib.ExitStack()
+                failing.enter_context(slow_writers(3.0, pid_file=pid_file))
+                failing.enter_context(failing_start(fail_on_rank))
+            elif what == "writer":
+                failing = slow_writers(1.0, fail_on_rank=fail_on_rank, pid_file=pid_file)
+            else:  # a file rank 0 writes in megatron's finalize functions, before a collective: a full disk for it
+                failing = full_disk_here(what) if dist.get_rank() == fail_on_rank else contextlib.nullcontext()
+            with failing:
+                try:
+                    trainer.checkpoint(background=True)  # `start` fails here, the others at the wait
+                    trainer.ckpt.wait()
+                    error = None
+                except CheckpointWriteError as err:
+                    error = str(err)
+            dist.barrier()
+            in_flight = trainer.ckpt.in_flight
+            # What a writer that was killed had reported must not be read by the next checkpoint's finalize (the
+            # parts' results are read from this one queue in turn; file names repeat, so stale ones look valid).
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-        queue = filesystem_async._results_queue
-        stale = queue.qsize() if queue is not None else 0
-        trainer.step = 3  # the next checkpoint works again (nothing stale is read from megatron's result queue)
-        trainer.checkpoint(background=True)
-        third = trainer.ckpt.wait()
-        import psutil
+            queue = filesystem_async._results_queue
+            stale = queue.qsize() if queue is not None else 0
+            trainer.step += 1  # the next checkpoint works again (nothing stale is read from megatron's result queue)
+            trainer.checkpoint(background=True)
+            next_one = trainer.ckpt.wait()
+            import psutil
 
-        pids = Path(f"{run_dir}/writers_{dist.get_rank()}")
-        writers = [int(p) for p in pids.read_text().split()] if pids.is_file() else []
-        survivors = [p for p in writers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-        return dict(first=str(first), error=error, in_flight=in_flight, stale=stale, third=str(third),
-                    writers=len(writers), survivors=survivors,
-                    entries=_entries(root),
-                    latest=(root / "latest").read_text().strip())
+            pids = Path(pid_file)
+            writers = [int(p) for p in pids.read_text().split()] if pids.is_file() else []
+            survivors = [p for p in writers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+            seen.append(dict(error=error, in_flight=in_flight, stale=stale, next=str(next_one), step=trainer.step,
+                             writers=len(writers), survivors=survivors, entries=_entries(root),
+                             latest=(root / "latest").read_text().strip()))
+            dist.barrier()  # every rank has looked before any starts the next case's checkpoint
+        return seen
     finally:
         trainer.close()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.training.async_checkpoint_ranks import failing_writer, save_while_training
+from tests.training.async_checkpoint_ranks import failing_writers, save_while_training
 
 EP2 = ("parallel.ep=2", "model.dtype=bf16")  # dense params DP=2 (distributed optimizer), experts EP=2
 
@@ -41,25 +41,31 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_pa
     assert _same(outs[0]["resumed"], outs[1]["resumed"])
 
 
-@pytest.mark.parametrize(
-    "rank, what",
-    [(0, "writer"), (1, "writer"), (1, "start"), (0, "model/.metadata"), (0, "optimizer/metadata.json")],
-    ids=["writer-rank0", "writer-rank1", "start-rank1", "dcp-metadata-rank0", "metadata-json-rank0"],
-)
-def test_a_failed_write_fails_every_rank_and_the_next_checkpoint_works(tmp_path, rank, what):
-    # The last two are files rank 0 alone writes in megatron's finalize functions, each followed by a collective
-    # (a broadcast, a barrier) that a raising rank 0 would skip: the other rank would wait there forever.
-    outs = run_distributed(failing_writer, str(tmp_path / "run"), rank, what, EP2, world_size=2, timeout=240)
-    cause = "MemoryError: staging the checkpoint tensors" if what == "start" else "No space left on device"
-    for out in outs:
-        assert out["error"] is not None and out["error"].startswith("checkpoint iter_0000002 not written")
-        assert cause in out["error"] and f"rank {rank}" in out["error"] and "\n" not in out["error"], out["error"]
-        assert out["in_flight"] is None and out["stale"] == 0
-        assert out["survivors"] == []  # no writer process of the failed checkpoint is left running
-    if what == "start":
-        assert outs[0]["writers"] > 0  # rank 0's writers were running when rank 1 failed
-        assert out["third"].endswith("iter_0000003") and out["latest"] == "iter_0000003"
-        assert out["entries"] == ["iter_0000001", "iter_0000003", "latest"]  # keep_last=2; no .tmp left
+# (rank, what fails): its writers (ENOSPC inside megatron's writer), the start of its writer (staging), or a file
+# rank 0 alone writes in megatron's finalize functions, each followed by a collective (a broadcast, a barrier) that
+# a raising rank 0 would skip: the other rank would wait there forever.
+FAILURES = [(0, "writer"), (1, "writer"), (1, "start"), (0, "model/.metadata"), (0, "optimizer/metadata.json")]
+
+
+def test_a_failed_write_fails_every_rank_and_the_next_checkpoint_works(tmp_path):
+    # One trainer per rank goes through every failure in turn: each must leave it able to write the next one.
+    outs = run_distributed(failing_writers, str(tmp_path / "run"), FAILURES, EP2, world_size=2, timeout=300)
+    for case, (rank, what) in enumerate(FAILURES):
+        failed, written = 2 * case + 2, 2 * case + 3  # checkpoint 1 was written first
+        cause = "MemoryError: staging the checkpoint tensors" if what == "start" else "No space left on device"
+        for out in (per_rank[case] for per_rank in outs):
+            error = out["error"]
+            assert error is not None and error.startswith(f"checkpoint iter_{failed:07d} not written"), (what, error)
+            assert cause in error and f"rank {rank}" in error and "\n" not in error, (what, error)
+            assert out["in_flight"] is None and out["stale"] == 0, what
+            assert out["survivors"] == [], what  # no writer process of the failed checkpoint is left running
+            assert out["step"] == written and out["next"].endswith(f"iter_{written:07d}"), what
+            assert out["latest"] == f"iter_{written:07d}", what
+            # keep_last=2; the failed checkpoint left nothing, not even its .tmp
+            assert out["entries"] == [f"iter_{written - 2:07d}", f"iter_{written:07d}", "latest"], (what, out)
+        if what in ("writer", "start"):  # the writers had started (for `start`: those of the rank that did not fail)
+            started = [r for r in range(2) if not (what == "start" and r == rank)]
+            assert all(outs[r][case]["writers"] > 0 for r in started), what
 
 
 @pytest.mark.gpu
