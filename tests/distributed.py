@@ -4,9 +4,9 @@ Used by every multi-rank test (TP / EP / PP invariance against the single-proces
 as `torch.save` bytes so tensors survive the child process exiting.
 
 Without CUDA the ranks are forked from a `forkserver` that has imported torch and megatron-core once: importing
-them costs a spawned rank ~3.7 s of CPU, and on 2 cores the suite took 16 min with spawned ranks, 10.5 min forked. Each rank still gets
-the caller's environment at the call, and unpickles the function only after it is in place, as a spawned process
-would. With CUDA the ranks are spawned: a process that imported megatron may have initialised CUDA, and a fork of
+them costs a spawned rank ~3.7 s of CPU, and on 2 cores the suite took 16 min with spawned ranks, 10.5 min
+forked. Each rank still gets the caller's environment at the call, and unpickles the function only after it is in
+place, as a spawned process would. With CUDA the ranks are spawned: a process that imported megatron may have initialised CUDA, and a fork of
 it cannot use the device.
 """
 
