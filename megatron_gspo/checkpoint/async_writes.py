@@ -16,6 +16,11 @@ checkpoint has two of them (model/ and optimizer/); `AsyncWrites` runs them as o
   abort()           kills the writer process without any collective (a start that failed on some rank, a run
                     that is going down).
 
+megatron's writer forks one process per file and waits for each to mark its task done; one that dies without it
+(SIGKILLed by the kernel's OOM killer while it copies its file) leaves the writer waiting forever. `finish`
+watches for that: it kills such a writer, and the checkpoint fails on every rank naming the signal (as it does
+for a writer that was itself killed), instead of the run hanging at its next wait.
+
 One writer process, parts in order, because megatron's writers report their results through one shared queue per
 process (`filesystem_async._results_queue`) that each part's finalize reads in turn: two writers in flight at once
 could hand one part the other's results. For the same reason at most one request is in flight (the caller waits
@@ -25,19 +30,45 @@ for the previous checkpoint before it starts the next).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import queue
+import signal
+import sys
+import time
 from functools import partial
 
 import psutil
 import torch.distributed as dist
 
 
-def _write_parts(parts: list, rank: int, staged: list, _unused) -> None:
-    """The writer process: each part's own write function on the tensors staged for it, in order."""
+def _write_parts(parts: list, trainer_pid: int, rank: int, staged: list, _unused) -> None:
+    """The writer process: each part's own write function on the tensors staged for it, in order. It and the
+    per-file processes megatron forks from it die with their parent (`_die_with_parent`)."""
+    _die_with_parent(trainer_pid)
+    writer_pid = os.getpid()
+    os.register_at_fork(after_in_child=lambda: _die_with_parent(writer_pid))
     for request, buckets in zip(parts, staged):
         args = list(request.async_fn_args)
         args[1] = buckets  # megatron's convention: argument 1 is the write buckets the staging returns
         request.async_fn(*args, **request.async_fn_kwargs)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel SIGKILLs this process when its parent exits (prctl PR_SET_PDEATHSIG; strictly, when the
+    thread that forked it does: the trainer's and the writer's main threads), and it exits now if the parent is
+    already gone. A writer outliving its rank (SIGKILLed, OOM-killed) would go on writing into a checkpoint
+    directory nobody will complete; a per-file process outliving its writer waits forever for a queue item the
+    writer never sent, holding the job's stdout open. Elsewhere a no-op (abort still kills them)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _stage_parts(parts: list) -> list:
@@ -96,7 +127,8 @@ def merged_request(requests: list):
     if not parts:
         return AsyncRequest(None, (), finalize), None, deferred
     staged = _Staged(parts)
-    request = AsyncRequest(partial(_write_parts, parts), (dist.get_rank(), None, None), finalize, preload_fn=staged)
+    write = partial(_write_parts, parts, os.getpid())
+    request = AsyncRequest(write, (dist.get_rank(), None, None), finalize, preload_fn=staged)
     return request, staged, deferred
 
 
@@ -132,35 +164,66 @@ class AsyncWrites:
         rank 0 what its own writes in them raised (DeferredFailures; the caller makes every rank agree)."""
         if not self.pending:
             return True
+        died = self._watch_writer(blocking)
         try:
             self._queue.maybe_finalize_async_calls(blocking=blocking)
-        except BaseException:
+        except BaseException as err:
             self._release()
+            if died is not None:
+                raise RuntimeError(died) from err
             raise
         if self.pending:
             return False
         deferred = self._deferred
         self._release()
+        if died is not None:  # its results cannot all have arrived; never count such a checkpoint as written
+            raise RuntimeError(died)
         for failures in deferred:
             failures.raise_first()
         return True
+
+    def _watch_writer(self, blocking: bool) -> str | None:
+        """Why this rank's writer will never report (None: it may). Kills a writer whose per-file process died
+        without finishing (megatron's writer would wait for it forever); with `blocking`, watches until the
+        writer has exited, so that megatron's join afterwards returns."""
+        calls = list(self._queue.async_calls)
+        process = getattr(calls[-1].async_caller, "process", None) if calls else None
+        if process is None or process.pid is None:
+            return None
+        while process.is_alive():
+            dead = _dead_helper(process.pid)
+            if dead is not None:
+                self._kill(calls[-1])
+                return f"a checkpoint file writer process (pid {dead[0]}) {dead[1]}: its writer was stopped"
+            if not blocking:
+                return None
+            time.sleep(0.2)
+        if process.exitcode is not None and process.exitcode < 0:
+            return f"the checkpoint writer process (pid {process.pid}) {_ended(-process.exitcode)}"
+        return None
 
     def abort(self) -> None:
         """Kills this rank's writer process (no collective) and forgets the request; results it may have reported
         are drained so that the next checkpoint's finalize does not read them."""
         if self._queue is not None:
             for call in list(self._queue.async_calls):
-                process = getattr(call.async_caller, "process", None)
-                helpers = _stop_helpers(process)
-                call.async_caller.close(abort=True)  # SIGKILL
-                for helper in helpers:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        helper.kill()
-                if process is not None:
-                    process.join(timeout=10)
+                self._kill(call)
             self._queue = None
             _drain_results()
         self._release()
+
+    @staticmethod
+    def _kill(call) -> None:
+        """SIGKILLs the writer process of `call` and the per-file processes it forked, and reaps the writer."""
+        process = getattr(call.async_caller, "process", None)
+        helpers = _stop_helpers(process)
+        if process is not None and process.is_alive():
+            process.kill()
+        for helper in helpers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                helper.kill()
+        if process is not None:
+            process.join(timeout=10)
 
     def close(self) -> None:
         """`abort`, and shuts down megatron's results-queue manager process (spawned by the first asynchronous
@@ -191,6 +254,48 @@ def _stop_helpers(process) -> list:
         return writer.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def _dead_helper(writer_pid: int) -> tuple[int, str] | None:
+    """(pid, how it ended) of a per-file process of the writer that ended abnormally, or None. Ended ones stay
+    zombies until the writer joins them, which it does only after all are done; their exit status is in
+    /proc/<pid>/stat (Linux; elsewhere nothing is detected)."""
+    try:
+        helpers = psutil.Process(writer_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for helper in helpers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if helper.status() != psutil.STATUS_ZOMBIE:
+                continue
+            status = _exit_status(helper.pid)
+            if status:  # a normal exit is 0; the writer reads its result later
+                return helper.pid, _ended_by_status(status)
+    return None
+
+
+def _exit_status(pid: int) -> int | None:
+    """A zombie's wait status (field 52 of /proc/<pid>/stat), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return int(fields[49])  # fields[0] is field 3 (the state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _ended_by_status(status: int) -> str:
+    signo = status & 0x7F
+    return _ended(signo) if signo else f"exited with code {status >> 8}"
+
+
+def _ended(signo: int) -> str:
+    try:
+        name = signal.Signals(signo).name
+    except ValueError:
+        name = f"signal {signo}"
+    why = " (out of host memory? the kernel's OOM killer sends it)" if signo == signal.SIGKILL else ""
+    return f"was killed by {name}{why}"
 
 
 def _drain_results() -> None:

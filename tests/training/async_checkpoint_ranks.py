@@ -15,10 +15,14 @@ from tests.training.resume_layout_ranks import COMMON, EXAMPLE, _state
 
 
 @contextlib.contextmanager
-def slow_writers(seconds: float, fail_on_rank: int | None = None, pid_file: str | None = None):
+def slow_writers(seconds: float, fail_on_rank: int | None = None, pid_file: str | None = None, how: str = "writer"):
     """megatron's tensor-file writer processes (forked from this one, so they inherit the patch) wait `seconds`
-    before writing; on rank `fail_on_rank` their disk is full (tests/training/full_disk.py: the writes of their
-    .distcp files fail with ENOSPC inside megatron's writer, which reports it as it would a real one)."""
+    before writing. On rank `fail_on_rank`, by `how`: `writer`: their disk is full (tests/training/full_disk.py:
+    the writes of their .distcp files fail with ENOSPC inside megatron's writer, which reports it as it would a
+    real one); `killed`: the first of them is SIGKILLed (what the kernel's OOM killer does), which megatron's
+    writer never learns; `writer-killed`: megatron's writer process, their parent, is."""
+    import signal
+
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
@@ -32,7 +36,9 @@ def slow_writers(seconds: float, fail_on_rank: int | None = None, pid_file: str 
             with open(pid_file, "a") as fh:
                 fh.write(f"{os.getpid()}\n")
         time.sleep(seconds)
-        if failing:
+        if failing and how != "writer" and kwargs.get("local_proc_idx") == 0:
+            os.kill(os.getpid() if how == "killed" else os.getppid(), signal.SIGKILL)
+        if failing and how == "writer":
             fill_disk(".distcp")  # in the writer process only
         original(*args, **kwargs)
 
@@ -169,8 +175,9 @@ def failing_start(on_rank: int):
 
 def failing_writers(run_dir: str, cases, extra=()) -> list[dict]:
     """Checkpoint 1 completes; then, for each `(rank, what)` case in turn on the same trainer, checkpoint N fails on
-    `rank` (`writer`: its writers hit ENOSPC; `start`: the start of its writer fails; otherwise a full disk for the
-    finalize file `what`) and checkpoint N+1 must work. What every rank saw, per case."""
+    `rank` (`writer`: its writers hit ENOSPC; `killed`: one of them is SIGKILLed; `writer-killed`: megatron's writer is; `start`: the start of its writer
+    fails; otherwise a full disk for the finalize file `what`) and checkpoint N+1 must work. What every rank saw,
+    per case."""
     import torch.distributed as dist
 
     from megatron_gspo.training.checkpoint import CheckpointWriteError
@@ -189,8 +196,8 @@ def failing_writers(run_dir: str, cases, extra=()) -> list[dict]:
                 failing = contextlib.ExitStack()
                 failing.enter_context(slow_writers(3.0, pid_file=pid_file))
                 failing.enter_context(failing_start(fail_on_rank))
-            elif what == "writer":
-                failing = slow_writers(1.0, fail_on_rank=fail_on_rank, pid_file=pid_file)
+            elif what in ("writer", "killed", "writer-killed"):
+                failing = slow_writers(1.0, fail_on_rank=fail_on_rank, pid_file=pid_file, how=what)
             else:  # a file rank 0 writes in megatron's finalize functions, before a collective: a full disk for it
                 failing = full_disk_here(what) if dist.get_rank() == fail_on_rank else contextlib.nullcontext()
             with failing:
