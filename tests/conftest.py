@@ -14,3 +14,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionstart(session):
+    # The multi-rank tests' fork server, started before any test can change what it inherits (tests/distributed.py).
+    from tests.distributed import start_fork_server
+
+    start_fork_server()

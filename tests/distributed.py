@@ -5,14 +5,21 @@ as `torch.save` bytes so tensors survive the child process exiting.
 
 Without CUDA the ranks are forked from a `forkserver` that has imported torch and megatron-core once: importing
 them costs a spawned rank ~3.7 s of CPU, and on 2 cores the suite took 16 min with spawned ranks, 10.5 min
-forked. Each rank still gets the caller's environment at the call, and unpickles the function only after it is in
-place, as a spawned process would. With CUDA the ranks are spawned: a process that imported megatron may have initialised CUDA, and a fork of
-it cannot use the device.
+forked. A forked rank is made to look like a spawned one where it can: it gets the caller's environment at the
+call before its function's module is imported (unpickled), fresh torch / numpy RNG seeds, and its atexit handlers
+run at its end (a fork server's child leaves through os._exit). The server starts at the session's start
+(tests/conftest.py), so what it inherits (stdout / stderr, umask, the environment its imports read) is the
+session's, not one test's. What a fork cannot differ in is the string-hash seed: every forked rank has the same
+one, while torchrun's ranks each have their own; `start_method="spawn"` runs a test's ranks as torchrun would
+(the torchrun end-to-end tests run them so anyway). With CUDA the ranks are always spawned: a process that
+imported megatron may have initialised CUDA, and a fork of it cannot use the device.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
@@ -35,19 +42,32 @@ _PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core
             "megatron.core.dist_checkpointing", "megatron.core.distributed"]
 
 
-def _context():
-    if torch.cuda.is_available():
+def start_fork_server() -> None:
+    """Starts the fork server the ranks are forked from (a no-op with CUDA, or once it runs)."""
+    if not torch.cuda.is_available():
+        mp.set_forkserver_preload(_PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+
+
+def _context(start_method: str | None):
+    if start_method == "spawn" or torch.cuda.is_available():
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call), ignored after
-    return ctx
+    if start_method not in (None, "forkserver"):
+        raise ValueError(f"start_method={start_method!r}: use 'spawn' or None (forked from the fork server)")
+    start_fork_server()
+    return mp.get_context("forkserver")
 
 
-def _child(rank: int, world_size: int, port: int, environ: dict, call: bytes, queue) -> None:
+def _child(rank: int, world_size: int, port: int, environ: dict, call: bytes, forked: bool, queue) -> None:
     # The caller's environment, as a spawned process gets it (a fork server's children get the server's), set
     # before the function's module is imported by unpickling it.
     os.environ.clear()
     os.environ.update(environ)
+    if forked:  # a spawned process seeds its RNGs from the OS; forks would share the server's states
+        import numpy
+
+        torch.seed()
+        numpy.random.seed()
     fn, args, kwargs = pickle.loads(call)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -71,21 +91,27 @@ def _child(rank: int, world_size: int, port: int, environ: dict, call: bytes, qu
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        if forked:  # a fork server's child ends in os._exit: what a spawned one's interpreter exit would run
+            atexit._run_exitfuncs()
 
 
-def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0, **kwargs: Any) -> list:
+def run_distributed(
+    fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0, start_method: str | None = None, **kwargs: Any
+) -> list:
     """Runs `fn(*args, **kwargs)` on `world_size` ranks; returns the per-rank results in rank order.
+    `start_method="spawn"`: fresh interpreters (each with its own string-hash seed), as under torchrun.
 
     `fn` must be importable (module level). The ranks see the usual torchrun environment variables
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so production code initialises exactly as under torchrun.
     """
-    ctx = _context()
+    ctx = _context(start_method)
+    forked = ctx.get_start_method() == "forkserver"
     queue = ctx.Queue()
     port = free_port()
     call = pickle.dumps((fn, args, kwargs))
     environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, environ, call, queue), daemon=False)
+        ctx.Process(target=_child, args=(r, world_size, port, environ, call, forked, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

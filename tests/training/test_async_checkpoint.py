@@ -24,7 +24,8 @@ def _moved(after: dict, saved: dict) -> int:
 
 
 def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_path):
-    outs = run_distributed(save_while_training, str(tmp_path / "run"), EP2, world_size=2)
+    # Spawned, as torchrun starts ranks: each with its own string-hash seed (dist_checkpointing plans from dicts).
+    outs = run_distributed(save_while_training, str(tmp_path / "run"), EP2, world_size=2, start_method="spawn")
     for out in outs:
         assert out["in_flight"] == 1 and out["poll"] is None
         # The staged copies live until the writer is done (on a GPU they are pinned blocks PyTorch would reuse).
