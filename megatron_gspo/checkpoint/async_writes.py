@@ -143,6 +143,7 @@ class AsyncWrites:
         self._queue = None
         self._staged: _Staged | None = None
         self._deferred: list[DeferredFailures] = []
+        self._died: str | None = None  # why this rank's writer will never report (kept until the request ends)
 
     @property
     def pending(self) -> bool:
@@ -164,7 +165,7 @@ class AsyncWrites:
         rank 0 what its own writes in them raised (DeferredFailures; the caller makes every rank agree)."""
         if not self.pending:
             return True
-        died = self._watch_writer(blocking)
+        died = self._died = self._died or self._watch_writer(blocking)
         try:
             self._queue.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as err:
@@ -240,6 +241,7 @@ class AsyncWrites:
     def _release(self) -> None:
         self._staged = None
         self._deferred = []
+        self._died = None
 
 
 def _stop_helpers(process) -> list:

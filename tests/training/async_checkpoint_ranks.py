@@ -203,7 +203,11 @@ def failing_writers(run_dir: str, cases, extra=()) -> list[dict]:
             with failing:
                 try:
                     trainer.checkpoint(background=True)  # `start` fails here, the others at the wait
-                    trainer.ckpt.wait()
+                    if what == "killed":  # found by the polls at step boundaries (collective), not by a wait
+                        while trainer.ckpt.poll() is None:
+                            time.sleep(0.1)
+                    else:
+                        trainer.ckpt.wait()
                     error = None
                 except CheckpointWriteError as err:
                     error = str(err)
