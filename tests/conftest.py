@@ -16,8 +16,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def pytest_sessionstart(session):
-    # The multi-rank tests' fork server, started before any test can change what it inherits (tests/distributed.py).
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server():
+    # The multi-rank tests' fork server (tests/distributed.py), started before any test can change what it
+    # inherits, and inside pytest's output capture (a session hook runs outside it): the ranks' output then
+    # appears with the test that failed, not on the terminal.
     from tests.distributed import start_fork_server
 
     start_fork_server()

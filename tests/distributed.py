@@ -6,8 +6,8 @@ as `torch.save` bytes so tensors survive the child process exiting.
 Without CUDA the ranks are forked from a `forkserver` that has imported torch and megatron-core once: importing
 them costs a spawned rank ~3.7 s of CPU, and on 2 cores the suite took 16 min with spawned ranks, 10.5 min
 forked. A forked rank is made to look like a spawned one where it can: it gets the caller's environment at the
-call before its function's module is imported (unpickled), fresh torch / numpy RNG seeds, and its atexit handlers
-run at its end (a fork server's child leaves through os._exit). The server starts at the session's start
+call before its function's module is imported (unpickled), fresh torch / numpy RNG seeds, and the atexit handlers
+registered in it run at its end (a fork server's child leaves through os._exit). The server starts at the session's start
 (tests/conftest.py), so what it inherits (stdout / stderr, umask, the environment its imports read) is the
 session's, not one test's. What a fork cannot differ in is the string-hash seed: every forked rank has the same
 one, while torchrun's ranks each have their own; `start_method="spawn"` runs a test's ranks as torchrun would
@@ -46,7 +46,17 @@ def start_fork_server() -> None:
     """Starts the fork server the ranks are forked from (a no-op with CUDA, or once it runs)."""
     if not torch.cuda.is_available():
         mp.set_forkserver_preload(_PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        # No thread pool in the server (numpy's OpenBLAS starts one at import): a fork copies only the forking
+        # thread, and a rank forked from a process with other threads inherits whatever state they held.
+        saved = os.environ.get("OPENBLAS_NUM_THREADS")
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OPENBLAS_NUM_THREADS"]
+            else:
+                os.environ["OPENBLAS_NUM_THREADS"] = saved
 
 
 def _context(start_method: str | None):
@@ -68,6 +78,9 @@ def _child(rank: int, world_size: int, port: int, environ: dict, call: bytes, fo
 
         torch.seed()
         numpy.random.seed()
+        # The server's own exit handlers (torch's C++ cleanups among them) are not this rank's to run: only the
+        # ones registered in the rank run at its end, as they would at a spawned rank's exit.
+        atexit._clear()
     fn, args, kwargs = pickle.loads(call)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
