@@ -4,15 +4,16 @@ Used by every multi-rank test (TP / EP / PP invariance against the single-proces
 as `torch.save` bytes so tensors survive the child process exiting.
 
 Without CUDA the ranks are forked from a `forkserver` that has imported torch and megatron-core once: importing
-them costs a spawned rank ~3.7 s of CPU, and on 2 cores the suite took 16 min with spawned ranks, 10.5 min
+them costs a spawned rank ~3.7 s of CPU, and on 2 cores the suite took 16 min with spawned ranks, about 11 min
 forked. A forked rank is made to look like a spawned one where it can: it gets the caller's environment at the
 call before its function's module is imported (unpickled), fresh torch / numpy RNG seeds, and the atexit handlers
-registered in it run at its end (a fork server's child leaves through os._exit). The server starts at the session's start
-(tests/conftest.py), so what it inherits (stdout / stderr, umask, the environment its imports read) is the
-session's, not one test's. What a fork cannot differ in is the string-hash seed: every forked rank has the same
-one, while torchrun's ranks each have their own; `start_method="spawn"` runs a test's ranks as torchrun would
-(the torchrun end-to-end tests run them so anyway). With CUDA the ranks are always spawned: a process that
-imported megatron may have initialised CUDA, and a fork of it cannot use the device.
+registered in it run at its end (a fork server's child leaves through os._exit). The server starts in a session
+fixture (tests/conftest.py), inside pytest's capture, so what it inherits (stdout / stderr, umask, the
+environment its imports read) is the session's, not one test's; it runs one thread. What a fork cannot differ in
+is the string-hash seed: every forked rank has the same one, while torchrun's ranks each have their own;
+`start_method="spawn"` runs a test's ranks as torchrun would (the torchrun end-to-end tests run them so anyway).
+With CUDA the ranks are always spawned: a process that imported megatron may have initialised CUDA, and a fork of
+it cannot use the device.
 """
 
 from __future__ import annotations
