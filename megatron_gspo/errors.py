@@ -7,6 +7,12 @@ ValueError / FileNotFoundError stay what they are everywhere (bad input: exit 2)
 from __future__ import annotations
 
 import errno
+import os
+import shutil
+from pathlib import Path
+
+# Below this much free space on the file system a write failed on, the failure is reported as a full disk.
+NEARLY_FULL_BYTES = 1 << 30
 
 
 class RunFailure(RuntimeError):
@@ -24,12 +30,37 @@ class StopRequested(Exception):
         self.step = step
 
 
-def describe(error: BaseException) -> str:
+def describe(error: BaseException, written: str | os.PathLike | None = None) -> str:
     """One line for an error: "No space left on device (...)" whenever ENOSPC is anywhere in its chain (torch's
-    checkpoint writers wrap it), else `Type: message`'s first line."""
+    checkpoint writers wrap it), else `Type: message`'s first line.
+
+    `written`: the path that was being written. megatron's checkpoint writer processes send their exception back
+    through a multiprocessing queue, and pickling drops its chain: a full disk then arrives as torch's "[enforce
+    fail at inline_container.cc] unexpected pos ..." alone. So when that path's file system has under
+    `NEARLY_FULL_BYTES` free, the line starts with "No space left on device?" and says how much is free."""
     for exc in _chain(error):
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return f"No space left on device ({_first_line(exc)})"
+    line = _one_line(error)
+    free = None if written is None else free_bytes(written)
+    if free is not None and free < NEARLY_FULL_BYTES:
+        return f"No space left on device? ({free / 2**20:.1f} MiB free on the file system of {written}; {line})"
+    return line
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes (for this user) on the file system holding `path` or its nearest existing parent; None if
+    unknown."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _one_line(error: BaseException) -> str:
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, wrapped = next(iter(failures.items()))

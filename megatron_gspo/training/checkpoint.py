@@ -268,7 +268,7 @@ class CheckpointManager:
     ) -> None:
         """Every rank learns which ranks failed; all run `on_failure` and raise CheckpointWriteError naming them
         (rank 0 cleans up)."""
-        mine = None if error is None else (_AS_RANK0_TEXT if error is _AS_RANK0 else describe(error))
+        mine = None if error is None else (_AS_RANK0_TEXT if error is _AS_RANK0 else describe(error, tmp))
         if dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)

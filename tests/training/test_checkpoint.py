@@ -118,6 +118,51 @@ def test_a_full_disk_is_one_line_and_leaves_the_last_checkpoint(tmp_path):
     assert sorted(os.listdir(run / "checkpoints")) == ["iter_0000001", "latest"]
 
 
+def _in_a_small_file_system(size: str, script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Runs a bash `script` with $FS a fresh tmpfs of `size` (a private mount namespace: nothing outside sees it,
+    and it is gone when the script ends)."""
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here (unshare -rm: {probe.stderr.strip()})")
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    full = f"set -eu\nmount -t tmpfs -o size={size} tmpfs {fs}\nFS={fs}\n{script}"
+    return subprocess.run(["unshare", "-rm", "bash", "-c", full], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("size, steps, written, extra", [
+    ("20m", 1, "iter_0000001", ""),  # the first checkpoint does not fit: megatron's writer process fails
+    ("45m", 2, "iter_0000002", "trainer.async_save=true"),  # the second one, written in the background
+], ids=["sync-first", "async-second"])
+def test_a_really_full_file_system_is_one_line_and_the_run_resumes(tmp_path, size, steps, written, extra):
+    """A real full file system (a tmpfs of `size`; a checkpoint of the tiny model is 29 MB), not a patched open:
+    megatron's per-file writer processes return their exception through a queue, which drops the ENOSPC under
+    torch's "unexpected pos" error; the line still says the disk is full. Then the run resumes from the last
+    checkpoint on the same file system."""
+    args = " ".join(["--config examples/tiny_moe_gspo.yaml", *MINI[1:], "trainer.run_dir=$FS/run"])
+    train = f"{sys.executable} -m megatron_gspo.cli.main train {args}"
+    out = tmp_path / "out"
+    script = f"""mkdir {out}
+{train} trainer.steps={steps} trainer.ckpt_every=1 {extra} 2> {out}/first.err && exit 3 || echo $? > {out}/first.rc
+ls $FS/run/checkpoints > {out}/entries
+if [ {steps} = 2 ]; then {train} trainer.steps=2 trainer.ckpt_every=5 trainer.save_final=false --resume; fi
+"""
+    res = _in_a_small_file_system(size, script, tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "1", err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"megatron-gspo: error: checkpoint {written} not written ({written}.tmp removed): rank 0:")
+    assert "No space left on device" in last and "Traceback" not in err, last
+    entries = (out / "entries").read_text().split()
+    if steps == 1:
+        assert entries == []
+    else:
+        assert entries == ["iter_0000001", "latest"]
+        assert "resumed from" in res.stderr and "iter_0000001 at step 1" in res.stderr, res.stderr[-3000:]
+
+
 def _fake_save(root: str) -> dict:
     """Saves through CheckpointManager with a trivial writer: replaces this run's own step, never another run's,
     and removes a killed run's unfinished directory."""
