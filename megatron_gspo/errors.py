@@ -30,18 +30,44 @@ class StopRequested(Exception):
         self.step = step
 
 
+class RankFailed(RuntimeError):
+    """Raised on the other ranks when `rank` failed at a step all ranks take together (so that none goes on into
+    the next collective alone); `line` is that rank's one-line description of its failure."""
+
+    def __init__(self, what: str, rank: int, line: str):
+        super().__init__(f"{what} failed on rank {rank}: {line}")
+        self.what, self.rank, self.line = what, rank, line
+
+    def __reduce__(self):
+        return type(self), (self.what, self.rank, self.line)
+
+
+def first_failure(error: BaseException) -> tuple[int, BaseException] | None:
+    """(rank, exception) of the first rank in torch.distributed.checkpoint's CheckpointException (which holds
+    every rank's failures, raised on every rank); None for any other error."""
+    failures = getattr(error, "failures", None)
+    if not (isinstance(failures, dict) and failures):
+        return None
+    rank, wrapped = next(iter(failures.items()))
+    return rank, (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+
+
 def describe(error: BaseException, written: str | os.PathLike | None = None) -> str:
     """One line for an error: "No space left on device (...)" whenever ENOSPC is anywhere in its chain (torch's
-    checkpoint writers wrap it), else `Type: message`'s first line.
+    checkpoint writers wrap it), else `Type: message`'s first line; torch.distributed.checkpoint's
+    CheckpointException (every rank's failures) as "CheckpointException on rank K: <rank K's failure>".
 
     `written`: the path that was being written. megatron's checkpoint writer processes send their exception back
     through a multiprocessing queue, and pickling drops its chain: a full disk then arrives as torch's "[enforce
     fail at inline_container.cc] unexpected pos ..." alone. So when that path's file system has under
     `NEARLY_FULL_BYTES` free, the line starts with "No space left on device?" and says how much is free."""
+    first = first_failure(error)
+    if first is not None:
+        return f"{type(error).__name__} on rank {first[0]}: {describe(first[1], written)}"
     for exc in _chain(error):
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return f"No space left on device ({_first_line(exc)})"
-    line = _one_line(error)
+    line = _first_line(error)
     free = None if written is None else free_bytes(written)
     if free is not None and free < NEARLY_FULL_BYTES:
         return f"No space left on device? ({free / 2**20:.1f} MiB free on the file system of {written}; {line})"
@@ -58,15 +84,6 @@ def free_bytes(path: str | os.PathLike) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
-
-
-def _one_line(error: BaseException) -> str:
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, wrapped = next(iter(failures.items()))
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        return f"{type(error).__name__} on rank {rank}: {_first_line(inner)}"
-    return _first_line(error)
 
 
 def _chain(error: BaseException):

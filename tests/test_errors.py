@@ -1,12 +1,13 @@
 """errors.describe: one line for any error, a full disk said as such even when the ENOSPC itself was lost."""
 
 import errno
+import pickle
 import shutil
 
 import pytest
 
 from megatron_gspo import errors
-from megatron_gspo.errors import describe
+from megatron_gspo.errors import RankFailed, describe
 
 
 def test_an_enospc_anywhere_in_the_chain_is_a_full_disk():
@@ -33,3 +34,9 @@ def test_a_chainless_error_on_a_nearly_full_file_system_says_so(tmp_path, monkey
     else:
         assert line == "RuntimeError: unexpected pos 704 vs 598"
     assert describe(RuntimeError("x")) == "RuntimeError: x"  # no path: no guess
+
+
+def test_another_ranks_failure_keeps_its_rank_and_line_through_pickling():
+    err = pickle.loads(pickle.dumps(RankFailed("writing /ckpt/model", 0, "OSError: [Errno 5] Input/output error")))
+    assert (err.rank, err.line) == (0, "OSError: [Errno 5] Input/output error")
+    assert describe(err) == "RankFailed: writing /ckpt/model failed on rank 0: OSError: [Errno 5] Input/output error"

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checkpoint.dist_io import raise_rank0_failure
 from megatron_gspo.checkpoint.hf_io import (
     DEFAULT_MAX_SHARD_BYTES,
     DTYPE_NAMES,
@@ -247,13 +248,7 @@ def megatron_to_hf(
                 bar.close()
         for _ in stream:  # ranks > 0 take part in the gathers; rank 0 drains what is left after a failure
             pass
-        box = [None if error is None else f"{type(error).__name__}: {error}"]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if error is not None:
-            raise error
-        if box[0] is not None:
-            raise RuntimeError(f"writing {out} failed on rank 0: {box[0]}")
+        raise_rank0_failure(error, f"writing {out}")
         return out
     finally:
         if owns_dist:

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_gspo.checkpoint.async_writes import DeferredFailures
+from megatron_gspo.errors import RankFailed, describe
 
 
 def require_dist() -> None:
@@ -26,13 +27,19 @@ def rank0(action: Callable[[], Any], what: str) -> None:
             action()
         except Exception as err:  # noqa: BLE001 - re-raised below on every rank
             error = err
-    box = [None if error is None else f"{type(error).__name__}: {error}"]
+    raise_rank0_failure(error, what)
+
+
+def raise_rank0_failure(error: BaseException | None, what: str) -> None:
+    """All ranks call: rank 0 passes its failure at `what` (None: none) and raises it; the others raise RankFailed
+    with its line."""
+    box = [None if error is None else describe(error)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error
     if box[0] is not None:
-        raise RuntimeError(f"{what} failed on rank 0: {box[0]}")
+        raise RankFailed(what, 0, box[0])
 
 
 @contextlib.contextmanager

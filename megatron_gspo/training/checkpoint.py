@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.async_writes import AsyncWrites
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
-from megatron_gspo.errors import RunFailure, describe
+from megatron_gspo.errors import RankFailed, RunFailure, describe, first_failure
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ STATE = "trainer_state.json"
 LATEST = "latest"
 
 
-_AS_RANK0 = RuntimeError("the checkpoint writers failed (megatron reports the details on rank 0)")
-_AS_RANK0_TEXT = describe(_AS_RANK0)
+_AS_RANK0 = RankFailed("the checkpoint writers", 0, "megatron reports the details on rank 0")
 
 
 class CheckpointWriteError(RunFailure):
@@ -268,16 +267,15 @@ class CheckpointManager:
     ) -> None:
         """Every rank learns which ranks failed; all run `on_failure` and raise CheckpointWriteError naming them
         (rank 0 cleans up)."""
-        mine = None if error is None else (_AS_RANK0_TEXT if error is _AS_RANK0 else describe(error, tmp))
+        mine = None if error is None else _origin(error, tmp)
         if dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
         else:
             everyone = [mine]
-        failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+        failed = _attributed(everyone)
         if not failed:
             return
-        failed = [(r, m) for r, m in failed if m != _AS_RANK0_TEXT] or failed
         if on_failure is not None:
             on_failure()
         cleaned = ""
@@ -321,6 +319,31 @@ class CheckpointManager:
             self._warned_foreign = True
             log.warning("%s holds %d checkpoint(s) of another run (%s): not pruned", self.root, len(foreign),
                         ", ".join(p.name for p in foreign[:3]))
+
+
+def _origin(error: BaseException, written: Path) -> tuple[int | None, str]:
+    """(the rank `error` happened on, its line): None for this rank's own failure, K when this rank only reports
+    rank K's, as torch.distributed.checkpoint does on every rank and dist_io.rank0 / megatron's finalize (whose
+    coordinator, rank 0, alone holds the writers' details) on the others."""
+    first = first_failure(error)
+    if first is not None:
+        return first[0], describe(first[1], written)
+    if isinstance(error, RankFailed):
+        return error.rank, error.line
+    return None, describe(error, written)
+
+
+def _attributed(everyone: list[tuple[int | None, str] | None]) -> list[tuple[int, str]]:
+    """(rank, line) for each rank that failed, from what each rank reported (`_origin`, None: nothing): a failure
+    is named once, on the rank it happened on, in that rank's own words when it gave them."""
+    reported = [(r, r if got[0] is None else got[0], got[1]) for r, got in enumerate(everyone) if got is not None]
+    lines = {origin: line for r, origin, line in reported if origin == r}
+    for _, origin, line in reported:
+        if line != _AS_RANK0.line:
+            lines.setdefault(origin, line)
+    if reported and not lines:  # megatron's finalize failed on every rank, and rank 0 could not say why
+        lines[0] = _AS_RANK0.line
+    return sorted(lines.items())
 
 
 def _json_default(obj):

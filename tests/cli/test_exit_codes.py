@@ -30,7 +30,7 @@ def _raise(exc):
         (RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms"), 1,
          "megatron-gspo: error: a collective failed (RuntimeError: [third_party/gloo"),
         (CheckpointException("write", {1: (OSError(errno.ENOSPC, "No space left on device"), None)}), 1,
-         "megatron-gspo: error: No space left on device (OSError: [Errno 28] No space left on device)"),
+         "megatron-gspo: error: CheckpointException on rank 1: No space left on device (OSError: [Errno 28] No "),
     ],
 )
 def test_each_ending_is_one_line_and_an_exit_code(capsys, exc, code, line):

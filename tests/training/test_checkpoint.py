@@ -46,6 +46,8 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, f
     for out in outs:
         assert out["error"] is not None and "No space left on device" in out["error"], out["error"]
         assert out["error"].startswith("checkpoint iter_0000002 not")
+        # named once, on the rank it happened on (not also as each other rank's report of it)
+        assert f"rank {rank_full}: " in out["error"] and f"rank {1 - rank_full}:" not in out["error"], out["error"]
         assert "\n" not in out["error"]
         assert out["entries"] == ["iter_0000001", "latest"]  # no .tmp, no .trash
         assert out["latest"] == "iter_0000001" and out["state"] == 1
