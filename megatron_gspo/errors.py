@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
-# Below this much free space on the file system a write failed on, the failure is reported as a full disk.
+# A write that failed without saying why (its ENOSPC lost, see `describe`) is reported as a full disk when its file
+# system has less than this free (or under 1% of its size, whichever is less).
 NEARLY_FULL_BYTES = 1 << 30
+_LOST_WRITE = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed|Worker failure")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class RunFailure(RuntimeError):
@@ -42,48 +46,60 @@ class RankFailed(RuntimeError):
         return type(self), (self.what, self.rank, self.line)
 
 
-def first_failure(error: BaseException) -> tuple[int, BaseException] | None:
-    """(rank, exception) of the first rank in torch.distributed.checkpoint's CheckpointException (which holds
-    every rank's failures, raised on every rank); None for any other error."""
-    failures = getattr(error, "failures", None)
-    if not (isinstance(failures, dict) and failures):
-        return None
-    rank, wrapped = next(iter(failures.items()))
-    return rank, (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+def rank_failures(error: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) for each rank in the first torch.distributed.checkpoint CheckpointException of `error`'s
+    chain (it holds every failing rank's exception; torch raises it on every rank). Its ranks are those of DCP's
+    process group: megatron-core 0.16.1 saves with the default group, so they are global ranks."""
+    for exc in _chain(error):
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            return [(rank, wrapped[0] if isinstance(wrapped, tuple) else wrapped) for rank, wrapped in failures.items()]
+    return []
 
 
 def describe(error: BaseException, written: str | os.PathLike | None = None) -> str:
-    """One line for an error: "No space left on device (...)" whenever ENOSPC is anywhere in its chain (torch's
-    checkpoint writers wrap it), else `Type: message`'s first line; torch.distributed.checkpoint's
-    CheckpointException (every rank's failures) as "CheckpointException on rank K: <rank K's failure>".
+    """One line for an error: "No space left on device (...)" (or "Disk quota exceeded") whenever that errno is
+    anywhere in its chain (torch's checkpoint writers wrap it), else `Type: message`'s first line; a
+    torch.distributed.checkpoint CheckpointException as "CheckpointException on rank K: <rank K's failure>", a
+    full disk's rank first.
 
     `written`: the path that was being written. megatron's checkpoint writer processes send their exception back
     through a multiprocessing queue, and pickling drops its chain: a full disk then arrives as torch's "[enforce
-    fail at inline_container.cc] unexpected pos ..." alone. So when that path's file system has under
-    `NEARLY_FULL_BYTES` free, the line starts with "No space left on device?" and says how much is free."""
-    first = first_failure(error)
-    if first is not None:
-        return f"{type(error).__name__} on rank {first[0]}: {describe(first[1], written)}"
+    fail at inline_container.cc] unexpected pos ..." alone. Such a write error on a file system that is nearly
+    full (`NEARLY_FULL_BYTES`) starts with "No space left on device?" and says how much is free."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        lines = [(rank, describe(exc, written)) for rank, exc in rank_failures(error)]
+        rank, line = next(((r, m) for r, m in lines if _says_full(m)), lines[0])
+        return f"{type(error).__name__} on rank {rank}: {line}"
     for exc in _chain(error):
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return f"No space left on device ({_first_line(exc)})"
+        if isinstance(exc, OSError) and exc.errno in _FULL:
+            return f"{os.strerror(exc.errno)} ({_first_line(exc)})"
     line = _first_line(error)
-    free = None if written is None else free_bytes(written)
-    if free is not None and free < NEARLY_FULL_BYTES:
-        return f"No space left on device? ({free / 2**20:.1f} MiB free on the file system of {written}; {line})"
+    if written is not None and _LOST_WRITE.search(line) and not any(
+        isinstance(exc, OSError) and exc.errno for exc in _chain(error)
+    ):
+        free = nearly_full(written)
+        if free is not None:
+            return f"No space left on device? ({free / 2**20:.1f} MiB free on the file system of {written}; {line})"
     return line
 
 
-def free_bytes(path: str | os.PathLike) -> int | None:
-    """Free bytes (for this user) on the file system holding `path` or its nearest existing parent; None if
-    unknown."""
+def nearly_full(path: str | os.PathLike) -> int | None:
+    """The free bytes (for this user) on the file system holding `path` (or its nearest existing parent) if that
+    is under `NEARLY_FULL_BYTES` and under 1% of its size; None if not, or unknown."""
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        return shutil.disk_usage(path).free
+        usage = shutil.disk_usage(path)
     except OSError:
         return None
+    return usage.free if usage.free < min(NEARLY_FULL_BYTES, usage.total / 100) else None
+
+
+def _says_full(line: str) -> bool:
+    return line.startswith(tuple(os.strerror(code) for code in _FULL))
 
 
 def _chain(error: BaseException):
@@ -95,10 +111,8 @@ def _chain(error: BaseException):
             continue
         seen.add(id(exc))
         yield exc
+        # Not into a CheckpointException's `failures`: those are other ranks' (rank_failures, describe).
         todo += [exc.__cause__, exc.__context__]
-        # torch.distributed.checkpoint.CheckpointException keeps every rank's exception in `failures`.
-        for wrapped in (getattr(exc, "failures", None) or {}).values():
-            todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
 
 
 def _first_line(exc: BaseException) -> str:

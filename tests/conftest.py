@@ -1,17 +1,10 @@
 import os
-import signal
 
 import pytest
 import torch
 
 # Two cores on CI: keep intra-op threads low so spawned ranks do not oversubscribe.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-# A shell without job control starts a background command (`make test &`) with SIGINT ignored, and every process
-# started from it inherits that: the Ctrl-C tests' trainers would never see their SIGINT. Python's own handler
-# here makes the children start with the default again (exec resets a handled signal, keeps an ignored one).
-if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

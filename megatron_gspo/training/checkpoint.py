@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.async_writes import AsyncWrites
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
-from megatron_gspo.errors import RankFailed, RunFailure, describe, first_failure
+from megatron_gspo.errors import RankFailed, RunFailure, describe, rank_failures
 
 log = logging.getLogger(__name__)
 
@@ -321,26 +321,28 @@ class CheckpointManager:
                         ", ".join(p.name for p in foreign[:3]))
 
 
-def _origin(error: BaseException, written: Path) -> tuple[int | None, str]:
-    """(the rank `error` happened on, its line): None for this rank's own failure, K when this rank only reports
-    rank K's, as torch.distributed.checkpoint does on every rank and dist_io.rank0 / megatron's finalize (whose
-    coordinator, rank 0, alone holds the writers' details) on the others."""
-    first = first_failure(error)
-    if first is not None:
-        return first[0], describe(first[1], written)
-    if isinstance(error, RankFailed):
-        return error.rank, error.line
-    return None, describe(error, written)
+def _origin(error: BaseException, written: Path) -> list[tuple[int | None, str]]:
+    """What this rank reports of `error`: (None, line) for its own failure, (K, line) for each rank K's failure it
+    only relays: torch.distributed.checkpoint raises every rank's failures on every rank, megatron's finalize holds
+    its writers' failures on its coordinator (rank 0; the others get `_AS_RANK0`), dist_io.rank0 relays rank 0's
+    (RankFailed). A rank whose own failure wraps a CheckpointException (a killed writer) reports both."""
+    reports: list[tuple[int | None, str]] = []
+    if not getattr(error, "failures", None):
+        reports.append((error.rank, error.line) if isinstance(error, RankFailed) else (None, describe(error, written)))
+    reports += [(rank, describe(exc, written)) for rank, exc in rank_failures(error)]
+    return reports
 
 
-def _attributed(everyone: list[tuple[int | None, str] | None]) -> list[tuple[int, str]]:
-    """(rank, line) for each rank that failed, from what each rank reported (`_origin`, None: nothing): a failure
+def _attributed(everyone: list[list[tuple[int | None, str]] | None]) -> list[tuple[int, str]]:
+    """(rank, line) for each rank that failed, from what each rank reported (`_origin`; None: nothing): a failure
     is named once, on the rank it happened on, in that rank's own words when it gave them."""
-    reported = [(r, r if got[0] is None else got[0], got[1]) for r, got in enumerate(everyone) if got is not None]
-    lines = {origin: line for r, origin, line in reported if origin == r}
-    for _, origin, line in reported:
-        if line != _AS_RANK0.line:
-            lines.setdefault(origin, line)
+    reported = [(r, r if origin is None else origin, line)
+                for r, got in enumerate(everyone) if got is not None for origin, line in got]
+    lines: dict[int, str] = {}
+    for own in (True, False):  # a rank's own words first; the first of them is its direct cause
+        for r, origin, line in reported:
+            if (origin == r) == own and line != _AS_RANK0.line:
+                lines.setdefault(origin, line)
     if reported and not lines:  # megatron's finalize failed on every rank, and rank 0 could not say why
         lines[0] = _AS_RANK0.line
     return sorted(lines.items())

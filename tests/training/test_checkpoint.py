@@ -53,6 +53,48 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, f
         assert out["latest"] == "iter_0000001" and out["state"] == 1
 
 
+def _reports(*per_rank):
+    from megatron_gspo.training.checkpoint import _attributed, _origin
+
+    return _attributed([None if e is None else _origin(e, Path("/ckpt/iter_0000002.tmp")) for e in per_rank])
+
+
+def test_each_failure_is_named_once_on_the_rank_it_happened_on():
+    """What each rank's exception says, as torch and megatron-core 0.16.1 raise them (real CheckpointException
+    objects): a failure relayed by other ranks is theirs to report, every failing rank is named."""
+    import errno
+
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.api import _wrap_exception
+
+    from megatron_gspo.errors import RankFailed
+    from megatron_gspo.training.checkpoint import _AS_RANK0
+
+    full = _wrap_exception(OSError(errno.ENOSPC, "No space left on device"))
+    worker = _wrap_exception(RuntimeError("Worker failure: x"))
+    enospc = "No space left on device (OSError: [Errno 28] No space left on device)"
+    # torch.distributed.checkpoint (a synchronous save): every rank raises every rank's failures
+    both = CheckpointException("write", {0: worker, 1: full})
+    assert _reports(both, both) == [(0, "RuntimeError: Worker failure: x"), (1, enospc)]
+    # megatron's finalize: rank 0 holds its writers' failures, the others only know that they failed
+    async_ = CheckpointException("write", {1: worker, 2: _wrap_exception(PermissionError(13, "Permission denied"))})
+    assert _reports(async_, _AS_RANK0, _AS_RANK0) == [(1, "RuntimeError: Worker failure: x"),
+                                                      (2, "PermissionError: [Errno 13] Permission denied")]
+    assert _reports(_AS_RANK0, _AS_RANK0) == [(0, "megatron reports the details on rank 0")]
+    # a rank's own failure wrapping another's; dist_io.rank0's relay; a rank that failed alone
+    try:
+        raise RuntimeError("the checkpoint writer process (pid 5) was killed by SIGKILL") from CheckpointException(
+            "write", {1: full})
+    except RuntimeError as err:
+        killed = err
+    assert _reports(killed, _AS_RANK0) == [(0, "RuntimeError: the checkpoint writer process (pid 5) was killed by "
+                                               "SIGKILL"), (1, enospc)]
+    relay = RankFailed("writing /ckpt/model", 0, "OSError: [Errno 5] Input/output error")
+    assert _reports(OSError(5, "Input/output error"), relay) == [(0, "OSError: [Errno 5] Input/output error")]
+    assert _reports(None, ValueError("bad")) == [(1, "ValueError: bad")]
+    assert _reports(None, None) == []
+
+
 def _state(path: Path, step: int, run_id: str) -> None:
     path.mkdir(parents=True)
     (path / "trainer_state.json").write_text(json.dumps({"step": step, "run_id": run_id, "world_size": 1}))

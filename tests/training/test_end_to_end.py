@@ -45,12 +45,18 @@ def _train(run_dir, extra=(), nproc=1, resume=False, popen=False):
     if resume:
         cmd.append("--resume")
     if popen:
-        # A session of its own: SIGKILL to the process group takes torchrun's workers down with it.
+        # A session of its own: SIGKILL to the process group takes torchrun's workers down with it. SIGINT as in
+        # a terminal: a shell without job control starts a background `make test &` with SIGINT ignored, which
+        # every process inherits, and the Ctrl-C test's trainer would never see it.
         return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _rows(run_dir):
