@@ -25,12 +25,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under `root` (directories after their contents)."""
+def fsync_tree(root: Path) -> int:
+    """fsync every file and directory under `root` (directories after their contents); returns the files' bytes."""
+    size = 0
     for dirpath, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             fsync_path(Path(dirpath) / name)
+            size += (Path(dirpath) / name).stat().st_size
         fsync_path(Path(dirpath))
+    return size
 
 
 def write_durably(path: Path, text: str) -> None:

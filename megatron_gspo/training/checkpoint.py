@@ -76,6 +76,7 @@ class CheckpointManager:
         self._warned_foreign = False
         self._writes = AsyncWrites()
         self._pending: tuple | None = None  # (step, final, tmp, trainer_state text, start time) while in flight
+        self._last_bytes: int | None = None  # the size of the last checkpoint this manager completed (rank 0)
 
     # ---- reading -------------------------------------------------------------------------------------
     def read_state(self, path: Path) -> dict | None:
@@ -152,6 +153,7 @@ class CheckpointManager:
             self._discard(tmp)
             tmp.mkdir()
             fsync_path(self.root)
+            self._warn_if_it_may_not_fit(final)
 
         self._collective(prepare if rank == 0 else None, f"checkpoint {final}: cannot create {tmp}", tmp)
         error = None
@@ -226,7 +228,7 @@ class CheckpointManager:
                 fh.write(state_text)
                 fh.flush()
                 os.fsync(fh.fileno())
-            fsync_tree(tmp)
+            self._last_bytes = fsync_tree(tmp)
             replaced = None
             if final.exists():  # the same step from an earlier attempt of this run; never another run's
                 owner = (self.read_state(final) or {}).get("run_id", self.run_id)
@@ -248,6 +250,16 @@ class CheckpointManager:
             self._prune()
 
         self._collective(finish if dist.get_rank() == 0 else None, f"checkpoint {final.name} not completed", tmp)
+
+    def _warn_if_it_may_not_fit(self, final: Path) -> None:
+        """A warning when the file system has less room than the last checkpoint took (the older ones are pruned
+        only after the new one is complete): the write would fail on every rank and the run end there."""
+        if self._last_bytes is None:
+            return
+        free = shutil.disk_usage(self.root).free
+        if free < self._last_bytes:
+            log.warning("checkpoint %s may not fit: the last one took %.2f GiB, %.2f GiB are free on the file system "
+                        "of %s", final.name, self._last_bytes / 2**30, free / 2**30, self.root)
 
     def _collective(self, action: Callable[[], None] | None, what: str, tmp: Path) -> None:
         """Runs `action` (rank 0 passes one) and makes every rank raise if it failed."""

@@ -202,9 +202,13 @@ if [ {steps} = 2 ]; then {train} trainer.steps=2 trainer.ckpt_every=5 trainer.sa
     entries = (out / "entries").read_text().split()
     if steps == 1:
         assert entries == []
+        assert "may not fit" not in err  # nothing to go by before the first checkpoint
     else:
         assert entries == ["iter_0000001", "latest"]
         assert "resumed from" in res.stderr and "iter_0000001 at step 1" in res.stderr, res.stderr[-3000:]
+        # warned before it was written: 29 MB, 16 MB free
+        warning = next(line for line in err.splitlines() if "may not fit" in line)
+        assert "checkpoint iter_0000002 may not fit: the last one took 0.03 GiB, 0.0" in warning, warning
 
 
 def _fake_save(root: str) -> dict:

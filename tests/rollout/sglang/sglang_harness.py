@@ -433,6 +433,11 @@ def join_group(argv: list[str]) -> None:
     weight = torch.empty(shape, dtype=torch.float32)
     torch.distributed.broadcast(weight, src=0, group=group, async_op=True).wait()
     print(json.dumps(weight.tolist()), flush=True)
+    # Out without the interpreter's teardown: a live gloo group's threads, destroyed at exit, abort it now and
+    # then ("terminate called without an active exception", SIGABRT: seen once in a CI-like run). A real SGLang
+    # server keeps the group for its lifetime.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:
