@@ -256,7 +256,10 @@ class CheckpointManager:
         only after the new one is complete): the write would fail on every rank and the run end there."""
         if self._last_bytes is None:
             return
-        free = shutil.disk_usage(self.root).free
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:  # a warning only: the write itself says what is wrong
+            return
         if free < self._last_bytes:
             log.warning("checkpoint %s may not fit: the last one took %.2f GiB, %.2f GiB are free on the file system "
                         "of %s", final.name, self._last_bytes / 2**30, free / 2**30, self.root)
