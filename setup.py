@@ -40,7 +40,8 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        # import-linter: the layer rules of DESIGN.md, checked by tests/test_architecture.py (pyproject.toml).
+        "test": ["pytest", "pytest-timeout", "import-linter==2.17"],
         "lint": ["ruff", "mypy"],
         # GPU clusters: TE for the fused layer spec, sglang-router for load balancing. SGLang itself pins its own
         # torch / transformers and must live in a separate environment (REFERENCE.md §6): install a `rollout`

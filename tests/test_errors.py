@@ -38,7 +38,7 @@ def test_an_enospc_or_quota_anywhere_in_the_chain_is_a_full_disk():
 def test_a_write_error_without_its_reason_on_a_nearly_full_file_system_says_so(tmp_path, monkeypatch, total, free,
                                                                                 error, hint):
     """The file system of the written path (its nearest existing parent: not created yet) decides, with the
-    reading shutil.disk_usage gives set here; a real full one: tests/training/test_checkpoint.py."""
+    reading shutil.disk_usage gives set here; a real full one: tests/checkpoint/test_manager.py."""
     seen = []
 
     def usage(path):

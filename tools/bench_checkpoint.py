@@ -3,7 +3,7 @@
 Each variant runs in a fresh subprocess (tools/bench_worker.py) that builds the trainer on a widened tiny
 Qwen3-MoE (`--hidden`, `--layers`, `--experts`: about 58M parameters by default, fp32: model + fp32 masters + two
 Adam moments = 16 bytes per parameter on disk) and writes checkpoints through the trainer's own path
-(`GSPOTrainer.checkpoint`, training/checkpoint.py):
+(`GSPOTrainer.checkpoint`, checkpoint/manager.py):
   sync   `checkpoint()`: blocked = the whole save (planning, every file written and fsynced, rename, `latest`)
   async  `checkpoint(background=True)` with trainer.async_save=true: blocked = until it returns (planning,
          common files, staging, fork of megatron's writer); complete = until `wait()` has renamed it (the writes

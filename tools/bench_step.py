@@ -6,7 +6,7 @@ Every variant runs in its own fresh subprocess (peak memory is that variant's al
   optimizer and batch were built (before any forward).
 - CUDA: `torch.cuda.max_memory_allocated()`; "working" = peak minus the allocation before the first forward.
 Each variant runs one untimed warm-up update, then `--iters` timed ones, on the same weights and batch (the
-training code of the trainer: training/micro_batches.py, training/batch.py forward steps, engine.forward_backward,
+training code of the trainer: batching/micro_batches.py, batching/batch.py forward steps, engine.forward_backward,
 megatron's optimizer). The variants take turns for `--rounds` rounds (a fresh subprocess each time) and each
 keeps its best update time: on a shared machine the load drifts, and turns expose every variant to it alike. The batch: `--sequences` rollouts of a `--prompt`-token prompt and a response whose length
 is spread log-uniformly between 1/16 and 1 of `--max-response` (mean about 0.3 of it), random token ids.
@@ -85,24 +85,21 @@ def _worker(args) -> dict:
     import torch
 
     from megatron_gspo.algorithms import PolicyLossConfig, make_policy_loss
+    from megatron_gspo.batching.batch import pack_rollouts
+    from megatron_gspo.batching.micro_batches import MicroBatcher
     from megatron_gspo.models.build import BuildOptions
     from megatron_gspo.models.config import preset
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.rollout.types import Rollout
-    from megatron_gspo.training.batch import (
-        logprob_forward_step,
-        pack_rollouts,
-        policy_forward_step,
-        policy_units,
-    )
     from megatron_gspo.training.engine import (
         OptimConfig,
         build_ddp_model,
         build_optimizer,
         forward_backward,
+        schedule_shape,
         unwrap,
     )
-    from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
+    from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
 
     torch.set_num_threads(args.threads)
     layout, path = VARIANTS[args.worker]

@@ -75,9 +75,9 @@ def _sft_key(cfg) -> str:
 
 def drift_row(name: str, overrides: list[str], run_dir: Path, sft: dict) -> dict:
     """One table row from a finished point's run directory (config.yaml, metrics.jsonl, eval.jsonl)."""
+    from megatron_gspo.benchmarks.stability.report import first_full_lr_step
+    from megatron_gspo.metrics.plot import read_jsonl
     from megatron_gspo.training.config import load_run_config
-    from megatron_gspo.training.plot import read_jsonl
-    from megatron_gspo.training.stability_report import first_full_lr_step
 
     cfg = load_run_config(run_dir / "config.yaml")
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -18,26 +18,23 @@ import sys
 import torch
 
 from megatron_gspo.algorithms import PolicyLossConfig, make_policy_loss
+from megatron_gspo.batching.batch import pack_rollouts
+from megatron_gspo.batching.micro_batches import MicroBatcher
 from megatron_gspo.models.build import BuildOptions, resolve_use_te
 from megatron_gspo.models.config import preset
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
 from megatron_gspo.rollout.types import Rollout
-from megatron_gspo.training.batch import (
-    logprob_forward_step,
-    pack_rollouts,
-    policy_forward_step,
-    policy_units,
-)
 from megatron_gspo.training.engine import (
     OptimConfig,
     build_ddp_model,
     build_optimizer,
     forward_backward,
+    schedule_shape,
     unwrap,
 )
-from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
 from megatron_gspo.training.routing import RoutingControl
+from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
 
 N, PROMPT, MAX_RESPONSE = 16, 8, 120
 

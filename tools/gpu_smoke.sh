@@ -16,7 +16,7 @@
 #                masters) keeps its weights through an SFT and an RL step at a tiny learning rate; exact resume
 #   colocated-memory  pytest -m gpu tests/training/test_offload.py: the optimizer state, main-grad buffers and fp32
 #                masters leave device memory (allocated bytes drop by what was moved) and come back bit-exactly
-#   async-save   pytest -m gpu tests/training/test_async_checkpoint.py: a background checkpoint (trainer.async_save)
+#   async-save   pytest -m gpu tests/checkpoint/test_async_checkpoint.py: a background checkpoint (trainer.async_save)
 #                stages the tensors device -> host before megatron's writer forks; an update during the write does
 #                not reach it, it becomes `latest` only once written, and a resume restores the saved state exactly
 #   train-no-te  1 bf16 RL step with transformer-engine hidden from the trainer (its import fails, as on a GPU
@@ -208,7 +208,7 @@ run_part bf16-load 180 --expect '[0-9]+ passed' --reject '[0-9]+ skipped' \
 run_part colocated-memory 120 --expect '[0-9]+ passed' --reject '[0-9]+ skipped' \
     "$PYTHON" -m pytest -q -rs -m gpu tests/training/test_offload.py
 run_part async-save 120 --expect '[0-9]+ passed' --reject '[0-9]+ skipped' \
-    "$PYTHON" -m pytest -q -rs -m gpu tests/training/test_async_checkpoint.py
+    "$PYTHON" -m pytest -q -rs -m gpu tests/checkpoint/test_async_checkpoint.py
 # sys.modules[name] = None makes `import transformer_engine` raise ImportError, whether or not TE is installed.
 NO_TE='import runpy, sys; sys.modules["transformer_engine"] = None; runpy.run_module("megatron_gspo.cli.main", run_name="__main__")'
 run_part train-no-te 150 --rows "$WORK/train-no-te" 1 --expect 'transformer-engine does not import' \

@@ -1,7 +1,7 @@
 """Durable writes: fsync files and directories so that what a rename makes visible survives a crash.
 
 A rename is atomic but not durable until its directory is fsynced, and a renamed directory's files are durable only
-once they were fsynced themselves: trainer checkpoints (training/checkpoint.py) and model / HF checkpoints
+once they were fsynced themselves: trainer checkpoints (checkpoint/manager.py) and model / HF checkpoints
 (`hf_io.replace_dir`) sync their tree before the rename and the parent directory after it.
 """
 

@@ -120,7 +120,7 @@ DEMO_OUTPUTS = ("sft_model", "metrics.jsonl", "eval.jsonl", "summary.json", "che
 def _clear_demo(run_dir: Path, overwrite: bool) -> None:
     import shutil
 
-    from megatron_gspo.training.run_dir import check_new_run_dir
+    from megatron_gspo.lifecycle.run_dir import check_new_run_dir
 
     if not overwrite:
         if (run_dir / "sft_model").exists():
@@ -136,8 +136,8 @@ def _clear_demo(run_dir: Path, overwrite: bool) -> None:
 
 
 def cmd_stability(args) -> int:
+    from megatron_gspo.benchmarks.stability.benchmark import run_stability
     from megatron_gspo.training.runtime import configure_logging
-    from megatron_gspo.training.stability_benchmark import run_stability
 
     configure_logging()
     result = run_stability(
@@ -166,7 +166,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from megatron_gspo.training.plot import plot_run
+    from megatron_gspo.metrics.plot import plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
@@ -174,7 +174,7 @@ def cmd_plot(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_gspo.training.stability_benchmark import DEFAULT_SEEDS, DEFAULT_VARIANTS, VARIANTS
+    from megatron_gspo.benchmarks.stability.benchmark import DEFAULT_SEEDS, DEFAULT_VARIANTS, VARIANTS
 
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -4,10 +4,10 @@ from megatron_gspo.data.config import DataConfig
 from megatron_gspo.data.dataset import (
     PromptDataset,
     PromptSampler,
-    apply_prompt_template,
     load_datasets,
     load_prompt_dataset,
 )
+from megatron_gspo.data.prompts import apply_prompt_template
 from megatron_gspo.data.tasks import TASKS, ArithmeticTask, ChainTask, make_task
 from megatron_gspo.data.tokenizer import (
     ARITHMETIC_ALPHABET,

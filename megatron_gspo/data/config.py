@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gspo.data.dataset import FILE_SUFFIXES, TASK_PREFIX, check_prompt_template
+from megatron_gspo.data.prompts import FILE_SUFFIXES, TASK_PREFIX, check_prompt_template
 from megatron_gspo.data.tasks import TASKS
 from megatron_gspo.rewards.registry import check_reward_spec
 

@@ -13,19 +13,19 @@ import json
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import numpy as np
 
+from megatron_gspo.data.config import DataConfig
+from megatron_gspo.data.prompts import (
+    FILE_SUFFIXES,
+    TASK_PREFIX,
+    apply_prompt_template,
+    check_prompt_template,
+)
 from megatron_gspo.data.tasks import make_task
 from megatron_gspo.data.types import DatasetError, PromptItem
-
-if TYPE_CHECKING:
-    from megatron_gspo.data.config import DataConfig
-
-TASK_PREFIX = "task:"
-FILE_SUFFIXES = (".jsonl", ".parquet")
-TEMPLATE_FIELD = "{prompt}"
 
 
 class PromptDataset(Sequence[PromptItem]):
@@ -49,25 +49,6 @@ class PromptDataset(Sequence[PromptItem]):
 
     def __repr__(self) -> str:
         return f"PromptDataset(source={self.source!r}, size={len(self)})"
-
-
-def check_prompt_template(template: str | None, key: str = "prompt_template") -> None:
-    """Raises ValueError unless `template` is None or contains the `{prompt}` field."""
-    if template is not None and TEMPLATE_FIELD not in template:
-        raise ValueError(f"{key}={template!r} must contain {TEMPLATE_FIELD} where the prompt goes")
-
-
-def apply_prompt_template(item: PromptItem, template: str | None) -> PromptItem:
-    """`item` with its prompt wrapped in `template`; the original prompt is kept as meta['raw_prompt'].
-
-    Only the literal `{prompt}` is replaced (not `str.format`), so templates may contain LaTeX braces such as
-    "Put the final answer in \\boxed{}." without escaping.
-    """
-    if template is None:
-        return item
-    check_prompt_template(template)
-    wrapped = template.replace(TEMPLATE_FIELD, item.prompt)
-    return PromptItem(wrapped, item.answer, {**item.meta, "raw_prompt": item.prompt})
 
 
 def load_prompt_dataset(

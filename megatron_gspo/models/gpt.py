@@ -4,7 +4,7 @@ The RL losses need log-probs of response tokens only. `GPTModel._postprocess` (m
 layer over every position, materialising [tokens, vocab / TP] logits for prompts and padding too. With
 `output_hidden_states=True` the last pipeline stage returns the decoder output (after the final norm) as it
 enters the output layer -- [s, b, h], sequence-split over TP ranks under sequence parallelism -- and the caller
-computes log-probs from it and `output_layer.weight` with the fused kernel (training/logprobs.py). Without the
+computes log-probs from it and `output_layer.weight` with the fused kernel (batching/logprobs.py). Without the
 flag nothing changes (generation, SFT and the logits reference path get logits).
 """
 

@@ -20,12 +20,12 @@ import yaml
 from megatron_gspo.algorithms import make_policy_loss
 from megatron_gspo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
 from megatron_gspo.data.config import DataConfig
+from megatron_gspo.lifecycle.health import HealthConfig
 from megatron_gspo.models.config import PRESETS, ModelConfig, preset
 from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
 from megatron_gspo.rollout.vllm.config import VLLMConfig, engine_logprobs_problem
-from megatron_gspo.training.health import HealthConfig
 from megatron_gspo.training.optim_config import OptimConfig
 
 
@@ -147,7 +147,7 @@ class TrainerConfig:
     row per sequence, padded to the longest possible (the reference)."""
     balance_data_parallel: bool = True
     """With batch_layout=packed and data parallelism: re-deal each minibatch's sequences over the replicas for
-    balanced token counts (same sequence count each; training/dp_balance.py)."""
+    balanced token counts (same sequence count each; batching/dp_balance.py)."""
     logprob_path: str = "fused"
     """fused: log-probs of response tokens from the final hidden states, without [tokens, vocab] logits |
     logits: megatron's output layer materialises all logits (the reference)."""
@@ -165,7 +165,7 @@ class TrainerConfig:
     """Periodic checkpoints (ckpt_every) are written in the background (megatron-LM's --async-save): the step
     that saves stages the model and optimizer tensors in host memory and forks a writer process per rank, and
     training goes on; the checkpoint becomes `iter_N` / `latest` at the first step boundary after every rank's
-    writer finished (training/checkpoint.py). Costs host memory for one copy of each rank's share while it is
+    writer finished (checkpoint/manager.py). Costs host memory for one copy of each rank's share while it is
     written (on a GPU pinned memory, which PyTorch keeps cached afterwards). The final checkpoint and the one a
     stop signal writes are waited for. megatron's writers report through a process started with the `spawn`
     method, which imports the main module again: a script that runs the trainer itself must guard its entry

@@ -115,3 +115,33 @@ def device_memory_gib() -> dict[str, float]:
         "reserved": torch.cuda.memory_reserved() / GiB,
         "max_allocated": torch.cuda.max_memory_allocated() / GiB,
     }
+
+
+class ColocatedMemory:
+    """GPU memory shared with colocated SGLang servers, phase by phase.
+
+    The servers hold their memory from the start, so the trainer's state waits in host memory until the first
+    generation is over. `release` (every rank, after generation): the engine releases the servers' memory once
+    all ranks are past their generation (a barrier: SGLang asserts that a server is idle when the release arrives),
+    then the optimizer state and main-grad buffers (and the fp32 masters with `masters`) come back from host memory.
+    `resume` (before the weight sync): they go back to host memory and the servers take their memory again.
+    `metrics` records the device memory of each phase (`memory_*`)."""
+
+    def __init__(self, engine, chunks: list, optimizer, *, masters: bool):
+        self.engine = engine
+        self.state = StateOffload(chunks, optimizer, masters=masters)
+        self.metrics: dict = {}
+        self.state.offload()
+
+    def release(self) -> None:
+        """After generation: servers give their memory up, the trainer's state comes back to the device."""
+        self.engine.release_memory()
+        self.state.reload()
+        self.metrics.update({f"memory_{k}_gib_update": v for k, v in device_memory_gib().items()})
+
+    def resume(self) -> None:
+        """Before the weight sync: the trainer's state goes to host memory, servers take their memory back."""
+        moved = self.state.offload()
+        self.metrics["memory_offloaded_gib"] = moved
+        self.metrics.update({f"memory_{k}_gib_rollout": v for k, v in device_memory_gib().items()})
+        self.engine.resume_memory()

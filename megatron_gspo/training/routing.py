@@ -15,8 +15,8 @@ import contextlib
 
 from megatron.core import parallel_state as ps
 
+from megatron_gspo.batching.batch import RolloutBatch
 from megatron_gspo.moe import MoEConfig, RouteStore, TokenLayout, response_token_mask, store_route_change
-from megatron_gspo.training.batch import RolloutBatch
 
 
 class RoutingControl:
@@ -136,7 +136,7 @@ class RoutingControl:
     def _num_experts(self) -> int:
         return int(self.rr.num_experts) if hasattr(self.rr, "num_experts") else 0
 
-    def drift(self, batch: RolloutBatch, post: RouteStore, sample: RolloutBatch, prefix: str = "expert_drift") -> dict:
+    def drift(self, post: RouteStore, sample: RolloutBatch, prefix: str = "expert_drift") -> dict:
         """Expert drift between pi_old routes (recorded before the step) and `post` on the sample's responses,
         as `{prefix}*` keys."""
         if self.pre_routes is None:
@@ -160,8 +160,12 @@ class RoutingControl:
 
 def drift_sample(batch: RolloutBatch, minibatches: int, sample_sequences: int) -> RolloutBatch:
     """The sequences the drift is measured on: the first minibatch, or its first `sample_sequences`."""
-    first = batch.split(minibatches)[0]
-    if sample_sequences and sample_sequences < first.num_sequences:
-        return first.rows(slice(0, sample_sequences))
-    return first
+    return drift_rows(batch.split(minibatches)[0], sample_sequences)
+
+
+def drift_rows(first_minibatch: RolloutBatch, sample_sequences: int) -> RolloutBatch:
+    """The drift sample of a rollout batch from its first minibatch: all of it, or its first `sample_sequences`."""
+    if sample_sequences and sample_sequences < first_minibatch.num_sequences:
+        return first_minibatch.rows(slice(0, sample_sequences))
+    return first_minibatch
 

@@ -11,14 +11,15 @@ import time
 
 import torch
 
+from megatron_gspo.batching.logprobs import token_logprobs_from_logits
 from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.rewards.registry import RewardScorer
-from megatron_gspo.training.batch import model_forward, token_logprobs_from_logits
 from megatron_gspo.training.config import RunConfig
 from megatron_gspo.training.engine import forward_backward
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.optim_config import OptimConfig
 from megatron_gspo.training.runtime import Runtime
+from megatron_gspo.training.steps import model_forward
 
 log = logging.getLogger(__name__)
 

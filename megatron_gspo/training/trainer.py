@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import yaml
+from megatron.core import parallel_state as ps
 
 from megatron_gspo.algorithms import (
     combine_metrics,
@@ -20,21 +20,11 @@ from megatron_gspo.algorithms import (
     make_policy_loss,
     rollout_correction,
 )
-from megatron_gspo.data.dataset import PromptSampler
-from megatron_gspo.data.types import PromptItem
-from megatron_gspo.errors import RunFailure, StopRequested
-from megatron_gspo.moe import MoEConfig
-from megatron_gspo.rewards.registry import RewardScorer
-from megatron_gspo.training.batch import (
-    RolloutBatch,
-    logprob_forward_step,
-    minibatch_group_order,
-    pack_rollouts,
-    policy_forward_step,
-    policy_units,
-)
-from megatron_gspo.training.checkpoint import CheckpointManager, CheckpointWriteError, new_run_id
-from megatron_gspo.training.checkpoint_contents import (
+from megatron_gspo.batching.batch import RolloutBatch, minibatch_group_order, pack_rollouts
+from megatron_gspo.batching.dp_balance import balance_data_parallel
+from megatron_gspo.batching.micro_batches import MicroBatcher
+from megatron_gspo.checkpoint.manager import CheckpointManager, CheckpointWriteError, new_run_id
+from megatron_gspo.checkpoint.trainer_contents import (
     FORMAT,
     RUN_CONFIG,
     current_layout,
@@ -42,19 +32,30 @@ from megatron_gspo.training.checkpoint_contents import (
     load_trainer_contents,
     write_trainer_contents,
 )
+from megatron_gspo.data.dataset import PromptSampler
+from megatron_gspo.data.types import PromptItem
+from megatron_gspo.errors import RunFailure, StopRequested
+from megatron_gspo.lifecycle.health import HealthMonitor
+from megatron_gspo.lifecycle.run_dir import check_new_run_dir, check_resume_config, check_resume_dir, trim_log
+from megatron_gspo.lifecycle.signals import StopSignals
+from megatron_gspo.lifecycle.watchdog import PhaseWatchdog
+from megatron_gspo.metrics.log import MetricsLogger, reduce_step_metrics
+from megatron_gspo.moe import MoEConfig
+from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.config import RunConfig, dump_run_config
-from megatron_gspo.training.dp_balance import balance_data_parallel
-from megatron_gspo.training.engine import broadcast_from_last_stage, forward_backward, is_last_stage
+from megatron_gspo.training.engine import (
+    broadcast_from_last_stage,
+    forward_backward,
+    guarded_optimizer_step,
+    is_last_stage,
+    schedule_shape,
+)
 from megatron_gspo.training.evaluate import evaluate
-from megatron_gspo.training.health import HealthMonitor
-from megatron_gspo.training.metrics_log import MetricsLogger, reduce_step_metrics
-from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
-from megatron_gspo.training.offload import StateOffload, device_memory_gib
-from megatron_gspo.training.routing import RoutingControl, drift_sample
-from megatron_gspo.training.run_dir import check_new_run_dir, check_resume_config, check_resume_dir, trim_log
+from megatron_gspo.training.offload import ColocatedMemory
+from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken
+from megatron_gspo.training.routing import RoutingControl, drift_rows, drift_sample
 from megatron_gspo.training.runtime import Runtime
-from megatron_gspo.training.signals import StopSignals
-from megatron_gspo.training.watchdog import PhaseWatchdog
+from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class GSPOTrainer:
         self.scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)
         self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
         self.step = 0
+        # Synchronous RL: the rollout buffer with no look-ahead (training/rollout_buffer.py).
+        self.buffer = RolloutBuffer(max_staleness=0)
+        self.groups_per_rank = t.prompts_per_step // self.rt.dp.size
         self.history: list[dict] = []
         self.summary: dict = {}
         self.stop_signals = StopSignals()
@@ -114,12 +118,12 @@ class GSPOTrainer:
             self._resume(resume_point)
         # Colocated servers hold their memory from the start: the trainer's state waits in host memory until the
         # first generation is over.
-        self.offload = None
-        self.memory_metrics: dict = {}
+        self.colocated = None
         if self._colocated:
-            self.offload = StateOffload(self.rt.chunks, self.rt.optimizer,
-                                        masters=bool(cfg.sglang.get("offload_masters", False)))
-            self.offload.offload()
+            self.colocated = ColocatedMemory(self.rt.engine, self.rt.chunks, self.rt.optimizer,
+                                             masters=bool(cfg.sglang.get("offload_masters", False)))
+        self.offload = self.colocated.state if self.colocated is not None else None
+        self.memory_metrics: dict = self.colocated.metrics if self.colocated is not None else {}
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.rt.is_logging_rank, append=resume, purge_step=self.step + 1 if resume else None
         )
@@ -217,7 +221,18 @@ class GSPOTrainer:
         return group_advantages(rewards, self.cfg.rollout.group_size)
 
     def collect(self, step_seed: int) -> tuple[RolloutBatch, dict]:
-        """generate -> score -> advantages, with dynamic sampling (drop zero-variance groups, top up).
+        """One rollout batch through the rollout buffer: the rollout stage produces scored groups into it (`produce`;
+        synchronous: right before they are needed, no look-ahead), the training stage takes a batch out (`assemble`).
+        """
+        produced, stats = self.produce(step_seed)
+        self.buffer.put(produced)
+        taken = self.buffer.take(self.groups_per_rank, version=self.step)
+        return self.assemble(taken, stats)
+
+    def produce(self, step_seed: int) -> tuple[list[RolloutGroup], dict]:
+        """The rollout stage: generate -> score, with dynamic sampling (top up until this rank holds as many groups
+        with reward variance as a batch needs, at most rollout.max_topup_rounds times). Groups carry the weight
+        version of the engine that sampled them (the current step: the engine was synced after the last update).
 
         Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
         and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
@@ -226,34 +241,41 @@ class GSPOTrainer:
         r, g = self.cfg.rollout, self.cfg.rollout.group_size
         extra = self.rt.shard(next(self.sampler))
         want = len(extra)
-        informative, flat = [], []
+        groups: list[RolloutGroup] = []
         errors, rounds = 0.0, 0
         while True:
             if extra:
                 rollouts = self.generate(extra, step_seed + 7919 * rounds)
                 rewards = self.score(extra, rollouts)
                 errors += float(self.scorer.last_metrics.get("reward_errors", 0.0))
-                for i, item in enumerate(extra):
-                    grp = (item, rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g])
-                    (informative if grp[2].max() > grp[2].min() else flat).append(grp)
+                groups += [
+                    RolloutGroup(item, rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g], self.step)
+                    for i, item in enumerate(extra)
+                ]
             if not r.dynamic_sampling or rounds == r.max_topup_rounds:
                 break
-            needs = self._topup_needs(want - len(informative))
+            needs = self._topup_needs(want - sum(x.informative for x in groups))
             if not any(needs):
                 break
             rounds += 1
             extra = self._topup_items(needs)
-        # Every data-parallel rank keeps exactly `want` groups so micro-batch counts match across ranks; flat groups
-        # that fill the gap (all of them without dynamic sampling) have zero advantage and contribute no gradient.
-        fill = want - len(informative)
-        groups = informative + flat[:fill]
+        # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics).
+        return groups, {"reward_errors": errors, "topup_rounds": float(rounds)}
+
+    def assemble(self, taken: Taken, produced_stats: dict) -> tuple[RolloutBatch, dict]:
+        """The training stage's rollout batch from the buffer's groups: minibatch order, advantages (Eq. 6),
+        training layout on the model's device, data-parallel balance; with the step's rollout statistics."""
+        # Every data-parallel rank holds exactly as many groups, so micro-batch counts match across ranks; the
+        # zero-variance groups that fill the gap (all of them without dynamic sampling) contribute no gradient.
+        groups = taken.groups
+        num_informative = len(groups) - taken.zero_variance_kept
         # Minibatches of whole groups in a seeded order (the same on every rank), the informative groups dealt
         # evenly: no minibatch is left with only zero-advantage groups while informative ones remain.
-        order = minibatch_group_order(len(informative), want, self.cfg.trainer.minibatches,
+        order = minibatch_group_order(num_informative, len(groups), self.cfg.trainer.minibatches,
                                       seed=(self.cfg.trainer.seed & (2**63 - 1), self.step))
         groups = [groups[i] for i in order]
-        rollouts = [ro for x in groups for ro in x[1]]
-        rewards = torch.cat([x[2] for x in groups])
+        rollouts = [ro for x in groups for ro in x.rollouts]
+        rewards = torch.cat([x.rewards_G for x in groups])
         adv = self.advantages(rewards)
         # The one host -> device move of the rollout batch: every forward, loss and collective below uses it.
         batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv).to(self.rt.device)
@@ -263,28 +285,20 @@ class GSPOTrainer:
             "accuracy": (rewards > 0.5).float().mean().item(),
             "response_length": lens.mean().item(),
             "finish_stop_frac": sum(ro.finish_reason == "stop" for ro in rollouts) / len(rollouts),
-            # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics):
-            # zero-variance groups left out, zero-variance groups trained on (zero advantage), reward errors.
-            "groups_dropped": float(len(flat) - fill),
-            "groups_zero_variance_kept": float(fill),
-            "reward_errors": errors,
-            "topup_rounds": float(rounds),
+            # Zero-variance groups left out, zero-variance groups trained on (zero advantage), reward errors.
+            "groups_dropped": float(taken.dropped),
+            "groups_zero_variance_kept": float(taken.zero_variance_kept),
+            "reward_errors": produced_stats["reward_errors"],
+            "topup_rounds": produced_stats["topup_rounds"],
         }
         if self.balance_replicas:
-            batch = balance_data_parallel(batch, self.cfg.trainer.minibatches, self._dp_group())
+            batch = balance_data_parallel(batch, self.cfg.trainer.minibatches, ps.get_data_parallel_group())
         return batch, stats
-
-    def _dp_group(self):
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_group()
 
     def _topup_needs(self, need: int) -> list[int]:
         """How many groups each data-parallel rank lacks, in rank order, identical on every rank."""
         if self.rt.dp.size == 1:
             return [need]
-        from megatron.core import parallel_state as ps
-
         mine = torch.tensor([need], dtype=torch.long, device=self.rt.device)
         every = torch.empty(self.rt.dp.size, dtype=torch.long, device=self.rt.device)
         dist.all_gather_into_tensor(every, mine, group=ps.get_data_parallel_group())
@@ -364,8 +378,8 @@ class GSPOTrainer:
         drift: dict = {}
         engine_mismatch: dict = {}
         fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward, logprob_path=t.logprob_path)
-        for k, minibatch in enumerate(batch.split(t.minibatches)):
-            micro = self.micro_batcher(minibatch)
+        sample = None
+        for k, (minibatch, micro) in enumerate(self.micro_batcher.minibatches(batch, t.minibatches)):
             seq_length, mbs = schedule_shape(micro)
             with self.routing.training_pass():
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs,
@@ -377,7 +391,8 @@ class GSPOTrainer:
                 engine_mismatch = dict(loss_metrics)
             ok, grad_norm = self._optimizer_step()
             if k == 0 and self.routing.active and self.moe.measure_drift(self.step + 1):
-                drift = self.measure_drift(batch)
+                sample = drift_rows(minibatch, self.moe.drift_sample_sequences)
+                drift = self.measure_drift(sample)
             metrics.append(
                 {
                     "loss_parts": loss_metrics,
@@ -389,64 +404,31 @@ class GSPOTrainer:
         if drift and t.minibatches > 1 and self.moe.drift_rollout:
             # pi_old vs the policy after all K steps (the next rollout batch's pi_old): the drift accumulated over
             # the rollout batch, beside the per-step drift above (stability benchmark).
-            drift.update(self.measure_drift(batch, prefix="expert_drift_rollout"))
+            drift.update(self.measure_drift(sample, prefix="expert_drift_rollout"))
         metrics[0]["drift"] = {**drift, **self.routing.mismatch}
         metrics[0]["engine_mismatch_parts"] = engine_mismatch
         return metrics
 
-    def measure_drift(self, batch: RolloutBatch, prefix: str = "expert_drift") -> dict:
-        """Expert drift since pi_old (paper §5.3): routes of the same sample under pi_old vs the current weights."""
-        sample = drift_sample(batch, self.cfg.trainer.minibatches, self.moe.drift_sample_sequences)
+    def measure_drift(self, sample: RolloutBatch, prefix: str = "expert_drift") -> dict:
+        """Expert drift since pi_old (paper §5.3): routes of the drift sample (the first minibatch's first
+        moe.drift_sample_sequences, `drift_rows`) under pi_old vs the current weights."""
         with self.routing.record() as rec:
             self.compute_logprobs(sample)
-        return self.routing.drift(batch, rec.routes, sample, prefix=prefix)
+        return self.routing.drift(rec.routes, sample, prefix=prefix)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""
-        # One flag on the device for all gradients (an all-reduce over NCCL, and one host sync). Every main_grad is
-        # a view into a DDP gradient buffer (dense and expert-parallel), so one sum per buffer sees every gradient:
-        # NaN / inf propagate through a sum, which reads the buffer once and writes nothing (isfinite().all() over
-        # the same 1.9M-float buffer measured 20x slower on CPU). A finite sum overflowing fp32 (|g| ~ 1e38, whose
-        # grad norm would be inf anyway) is skipped too.
-        sums = [buf.grad_data.sum() for c in self.rt.chunks for buf in (*c.buffers, *c.expert_parallel_buffers)]
-        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.rt.device)
-        bad = (~torch.isfinite(total)).float()
-        if dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            log.warning("step %d: non-finite gradient: optimizer step skipped", self.step)
-            return False, float("nan")
-        ok, grad_norm, _ = self.rt.optimizer.step()
-        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        if ok and math.isfinite(grad_norm):
-            self.rt.scheduler.step(increment=1)
-            return True, grad_norm
-        log.warning("step %d: non-finite grad norm (%s): optimizer step skipped", self.step, grad_norm)
-        return False, grad_norm
+        return guarded_optimizer_step(self.rt.chunks, self.rt.optimizer, self.rt.scheduler, self.step, self.rt.device)
 
     @property
     def _colocated(self) -> bool:
         return self.cfg.rollout.engine == "sglang" and bool(self.cfg.sglang.get("colocated", False))
 
     def _colocated_memory(self, action: str) -> None:
-        """Colocated SGLang servers hand their GPU memory to training and take it back for the weight sync.
-
-        Called on every rank: the engine releases only once all ranks are past their generation (a barrier), since
-        SGLang asserts that a server is idle when the release arrives. The trainer's optimizer state and main-grad
-        buffers (and the fp32 masters with sglang.offload_masters) come back from host memory after the release
-        and go there before the servers resume (training/offload.py); `memory_*` metrics record each phase."""
-        if not self._colocated:
-            return
-        engine = self.rt.engine
-        if action == "release":
-            engine.release_memory()
-            self.offload.reload()
-            self.memory_metrics.update({f"memory_{k}_gib_update": v for k, v in device_memory_gib().items()})
-        else:
-            moved = self.offload.offload()
-            self.memory_metrics["memory_offloaded_gib"] = moved
-            self.memory_metrics.update({f"memory_{k}_gib_rollout": v for k, v in device_memory_gib().items()})
-            engine.resume_memory()
+        """Colocated SGLang servers give their GPU memory to the update ("release") and take it back for the weight
+        sync ("resume"); a no-op otherwise (training/offload.py `ColocatedMemory`)."""
+        if self.colocated is not None:
+            getattr(self.colocated, action)()
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""
@@ -460,7 +442,7 @@ class GSPOTrainer:
         )
 
     def checkpoint(self, *, background: bool = False) -> Path:
-        """Writes checkpoint iter_<step> (atomic; training/checkpoint.py) and returns its path. `background` (with
+        """Writes checkpoint iter_<step> (atomic; checkpoint/manager.py) and returns its path. `background` (with
         trainer.async_save): returns once the tensors are staged; the checkpoint completes at a later `poll`."""
         self.watchdog.mark("checkpoint")
         asynchronous = background and self.cfg.trainer.async_save

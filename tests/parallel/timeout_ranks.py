@@ -12,9 +12,9 @@ def frozen_peer(timeout_s: float, warn_s: float) -> dict:
     import torch.distributed as dist
 
     from megatron_gspo.cli.main import _is_collective_error
+    from megatron_gspo.lifecycle.watchdog import PhaseWatchdog
     from megatron_gspo.parallel import initialize, shutdown
     from megatron_gspo.parallel.config import ParallelConfig
-    from megatron_gspo.training.watchdog import PhaseWatchdog
 
     records: list[str] = []
 
@@ -22,7 +22,7 @@ def frozen_peer(timeout_s: float, warn_s: float) -> dict:
         def emit(self, record):
             records.append(record.getMessage())
 
-    logging.getLogger("megatron_gspo.training.watchdog").addHandler(Keep())
+    logging.getLogger("megatron_gspo.lifecycle.watchdog").addHandler(Keep())
     # The timeout bounds the rendezvous too: do the slow imports (megatron) before it, so neither rank waits long.
     from megatron.core import parallel_state, tensor_parallel  # noqa: F401
 

@@ -28,8 +28,8 @@ def aux_gradients(cases: list[tuple[str, int]], identical_rows: bool = False) ->
     c) and the last router's input of every micro-batch (captured at c)."""
     from megatron_gspo.models.hf_state import load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
-    from megatron_gspo.training.batch import policy_forward_step, policy_units
     from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, unwrap
+    from megatron_gspo.training.steps import policy_forward_step, policy_units
 
     parallel = ParallelConfig()
     initialize(parallel, seed=5)

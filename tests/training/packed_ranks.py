@@ -17,8 +17,8 @@ LENGTHS = [(5, 20), (3, 2), (6, 9), (2, 1), (4, 14), (7, 10), (2, 12), (5, 11)]
 
 def rollout_batch(vocab: int):
     """N rollouts of the lengths above (padded to SEQ + 1 columns), advantages and an old policy set later."""
+    from megatron_gspo.batching.batch import pack_rollouts
     from megatron_gspo.rollout.types import Rollout
-    from megatron_gspo.training.batch import pack_rollouts
 
     g = torch.Generator().manual_seed(4)
     rollouts = [
@@ -67,20 +67,21 @@ def run_cases(layout: dict, cases: list[tuple], *, recompute: str = "none", dtyp
     from megatron.core import parallel_state as ps
 
     from megatron_gspo.algorithms import PolicyLossConfig, combine_metrics, make_policy_loss
+    from megatron_gspo.batching.micro_batches import MicroBatcher
     from megatron_gspo.models.build import BuildOptions
     from megatron_gspo.models.hf_state import load_hf_state_dict
     from megatron_gspo.moe import MoEConfig
     from megatron_gspo.parallel import ParallelConfig, initialize
-    from megatron_gspo.training.batch import logprob_forward_step, policy_forward_step, policy_units
     from megatron_gspo.training.engine import (
         OptimConfig,
         build_ddp_model,
         forward_backward,
         is_last_stage,
+        schedule_shape,
         unwrap,
     )
-    from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
     from megatron_gspo.training.routing import RoutingControl
+    from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     cfg = tiny_config(router_aux_loss_coef=aux)

@@ -10,7 +10,7 @@ N, SEQ = 8, 12
 
 
 def synthetic_batch(vocab: int):
-    from megatron_gspo.training.batch import RolloutBatch
+    from megatron_gspo.batching.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, vocab, (N, SEQ + 1), generator=g)
@@ -46,10 +46,11 @@ def policy_grads(layout: dict, cases: list[tuple[str, int, float]]) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_gspo.algorithms import combine_metrics
+    from megatron_gspo.batching.logprobs import token_logprobs_from_logits
     from megatron_gspo.models.hf_state import export_hf_state_dict, load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
-    from megatron_gspo.training.batch import policy_forward_step, policy_units, token_logprobs_from_logits
     from megatron_gspo.training.engine import OptimConfig, build_ddp_model, forward_backward, unwrap
+    from megatron_gspo.training.steps import policy_forward_step, policy_units
 
     parallel = ParallelConfig(**layout)
     initialize(parallel, seed=5)

@@ -32,7 +32,7 @@ def _global_batch(trainer, batch):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_gspo.training.batch import RolloutBatch
+    from megatron_gspo.batching.batch import RolloutBatch
 
     fields = ("tokens_NL", "loss_mask_NS", "engine_logprobs_NS", "rewards_N", "advantages_N", "old_logprobs_NS",
               "prompt_lens_N", "response_lens_N", "seq_index_N")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_gspo.training.health import HealthConfig, HealthMonitor
+from megatron_gspo.lifecycle.health import HealthConfig, HealthMonitor
 from tests.training.test_end_to_end import MINI, ROOT, _env
 
 

@@ -21,7 +21,7 @@ PAIRS = {
     "ep2_to_ep1": (dict(ep=2), {}),
     "pp2_to_pp1": (dict(pp=2), {}),
     # The plain optimizer (optim.distributed=false: every DP rank holds the whole state) reshards over TP too; an
-    # EP change is refused for it (tests/training/test_run_dir.py).
+    # EP change is refused for it (tests/lifecycle/test_run_dir.py).
     "plain_tp2_to_dp2": (dict(tp=2, sequence_parallel=True, **PLAIN), PLAIN),
 }
 CHANGED = {"tp2_to_dp2": "tp 2 -> 1", "ep2_to_ep1": "ep 2 -> 1", "pp2_to_pp1": "pp 2 -> 1", "plain_tp2_to_dp2": "tp 2 -> 1"}

@@ -170,10 +170,10 @@ def test_preempted_requests_keep_their_routes(server):
 def _phases(url: str, run_dir: str) -> dict:
     """3 GSPO steps through the trainer's phases; after each weight sync the server's log-probs of a fixed
     sequence vs the trainer's, and the step's train/inference mismatch metrics (child process: megatron state)."""
+    from megatron_gspo.batching.batch import pack_rollouts
+    from megatron_gspo.metrics.log import reduce_step_metrics
     from megatron_gspo.rollout.types import Rollout
-    from megatron_gspo.training.batch import pack_rollouts
     from megatron_gspo.training.config import load_run_config
-    from megatron_gspo.training.metrics_log import reduce_step_metrics
     from megatron_gspo.training.trainer import GSPOTrainer
 
     overrides = [*MINI, *SERVER, f"trainer.run_dir={run_dir}", "rollout.engine=vllm", "rollout.old_logprobs=engine",

@@ -1,0 +1,99 @@
+"""Where rollout production meets training consumption (DESIGN.md "The loop as stages").
+
+The rollout stage puts scored groups (one prompt, its G rollouts and their rewards) into the buffer, each stamped
+with the weight version that sampled it: the number of RL steps whose weights the rollout engine held (the
+trainer syncs the engine after every step, so a group produced before step s's update carries version s). The
+training stage takes one rollout batch's worth of groups out.
+
+Synchronous RL (today's loop) is this buffer with no look-ahead: the rollout stage fills it right before the
+training stage empties it, every group has staleness 0, and nothing is left over between steps (what the step does
+not use is dropped and counted). Asynchronous RL adds a producer that runs ahead within `max_staleness` versions;
+groups older than that are dropped, counted, when they are taken.
+
+Which groups a rollout batch gets: groups with learning signal (reward variance within the group, GSPO Eq. 6
+advantages not all zero) first, in the order they were produced; then, up to the batch size, zero-variance groups
+in their order (zero advantage: no gradient, but every data-parallel rank needs the same number of sequences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_gspo.data.types import PromptItem
+from megatron_gspo.rollout.types import Rollout
+
+
+@dataclass
+class RolloutGroup:
+    """One prompt's G rollouts, scored, with the weight version that sampled them."""
+
+    item: PromptItem
+    rollouts: list[Rollout]
+    rewards_G: torch.Tensor
+    weight_version: int
+    """RL steps whose update the sampling weights included (0: the initial policy)."""
+
+    @property
+    def informative(self) -> bool:
+        """Whether the group's rewards vary (its advantages are not all zero)."""
+        return bool(self.rewards_G.max() > self.rewards_G.min())
+
+
+@dataclass
+class Taken:
+    """The groups of one rollout batch and what the buffer left out for it."""
+
+    groups: list[RolloutGroup]
+    zero_variance_kept: int
+    """Zero-variance groups in `groups` (filling up to the batch size)."""
+    dropped: int
+    """Zero-variance groups not needed for the batch, dropped."""
+    stale: int
+    """Groups dropped for being more than `max_staleness` versions old."""
+    staleness: list[int] = field(default_factory=list)
+    """Versions each taken group lags the consuming weights by, in `groups` order."""
+
+
+class RolloutBuffer:
+    """Scored rollout groups between the rollout stage and the training stage of the RL loop (module doc)."""
+
+    def __init__(self, max_staleness: int = 0):
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 0")
+        self.max_staleness = max_staleness
+        self._informative: list[RolloutGroup] = []
+        self._flat: list[RolloutGroup] = []
+
+    def __len__(self) -> int:
+        return len(self._informative) + len(self._flat)
+
+    def put(self, groups: list[RolloutGroup]) -> None:
+        """Adds scored groups (kept in production order within each kind)."""
+        for g in groups:
+            (self._informative if g.informative else self._flat).append(g)
+
+    def take(self, want: int, version: int) -> Taken:
+        """The groups of one rollout batch for weights of `version`: up to `want` informative groups, then
+        zero-variance ones up to `want`. Zero-variance groups left over are dropped (they carry no signal; a later
+        batch is better served by fresh ones); informative groups left over stay for the next batch."""
+        if want < 0:
+            raise ValueError(f"want={want} must be >= 0")
+        stale = 0
+        for pool in (self._informative, self._flat):
+            fresh = [g for g in pool if version - g.weight_version <= self.max_staleness]
+            stale += len(pool) - len(fresh)
+            pool[:] = fresh
+        chosen, self._informative = self._informative[:want], self._informative[want:]
+        fill = want - len(chosen)
+        kept, dropped = self._flat[:fill], len(self._flat) - min(fill, len(self._flat))
+        self._flat = []
+        groups = chosen + kept
+        return Taken(
+            groups=groups,
+            zero_variance_kept=len(kept),
+            dropped=dropped,
+            stale=stale,
+            staleness=[version - g.weight_version for g in groups],
+        )

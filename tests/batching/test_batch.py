@@ -1,0 +1,56 @@
+"""Rollouts -> training tensors: which label positions count, padding never does."""
+
+import pytest
+import torch
+
+from megatron_gspo.batching.batch import pack_rollouts
+from megatron_gspo.rollout.types import Rollout
+from megatron_gspo.training.evaluate import pass_at_k
+
+
+def _rollout(prompt, response, finish="stop"):
+    return Rollout(prompt_ids=prompt, response_ids=response, logprobs=[-0.5] * len(response), finish_reason=finish)
+
+
+def test_response_positions_include_the_stop_token_and_exclude_padding():
+    rollouts = [_rollout([5, 6, 7], [8, 1]), _rollout([5, 6], [9, 9, 9], "length")]
+    batch = pack_rollouts(rollouts, seq_len=6, pad_id=0, rewards=torch.tensor([1.0, 0.0]), advantages=torch.zeros(2))
+    assert batch.tokens_NL.tolist() == [[5, 6, 7, 8, 1, 0, 0], [5, 6, 9, 9, 9, 0, 0]]
+    # Label t predicts tokens[t + 1]: response tokens of row 0 are labels 2 (8) and 3 (1, the stop token).
+    assert batch.loss_mask_NS.tolist() == [
+        [False, False, True, True, False, False],
+        [False, True, True, True, False, False],
+    ]
+    labels = batch.tokens_NL[:, 1:]
+    assert labels[batch.loss_mask_NS].tolist() == [8, 1, 9, 9, 9]
+    assert batch.engine_logprobs_NS[batch.loss_mask_NS].tolist() == [-0.5] * 5
+    assert batch.engine_logprobs_NS[~batch.loss_mask_NS].abs().sum() == 0
+    assert batch.response_lens_N.tolist() == [2, 3]
+
+
+def test_too_long_rollout_is_refused():
+    with pytest.raises(ValueError, match="raise rollout.max_new_tokens"):
+        pack_rollouts([_rollout([1, 2, 3], [4, 5, 6])], seq_len=4, pad_id=0,
+                      rewards=torch.zeros(1), advantages=torch.zeros(1))
+
+
+def test_split_and_rows_keep_alignment():
+    rollouts = [_rollout([5, 6], [i + 2]) for i in range(6)]
+    batch = pack_rollouts(rollouts, seq_len=3, pad_id=0, rewards=torch.arange(6.0), advantages=torch.arange(6.0))
+    parts = batch.split(3)
+    assert [p.rewards_N.tolist() for p in parts] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert parts[2].tokens_NL[:, 2].tolist() == [6, 7]
+    with pytest.raises(ValueError, match="do not split into 4"):
+        batch.split(4)
+
+
+def test_pass_at_k_matches_the_combinatorial_definition():
+    from itertools import combinations
+
+    n, c = 6, 2
+    samples = [1] * c + [0] * (n - c)
+    for k in (1, 2, 3, 6):
+        combos = list(combinations(samples, k))
+        expected = sum(any(x) for x in combos) / len(combos)
+        assert pass_at_k(n, c, k) == pytest.approx(expected)
+    assert pass_at_k(4, 0, 2) == 0.0
