@@ -6,7 +6,7 @@ Every variant runs in its own fresh subprocess (peak memory is that variant's al
   optimizer and batch were built (before any forward).
 - CUDA: `torch.cuda.max_memory_allocated()`; "working" = peak minus the allocation before the first forward.
 Each variant runs one untimed warm-up update, then `--iters` timed ones, on the same weights and batch (the
-training code of the trainer: batching/micro_batches.py, batching/batch.py forward steps, engine.forward_backward,
+training code of the trainer: batching/micro_batches.py, training/steps.py forward steps, engine.forward_backward,
 megatron's optimizer). The variants take turns for `--rounds` rounds (a fresh subprocess each time) and each
 keeps its best update time: on a shared machine the load drifts, and turns expose every variant to it alike. The batch: `--sequences` rollouts of a `--prompt`-token prompt and a response whose length
 is spread log-uniformly between 1/16 and 1 of `--max-response` (mean about 0.3 of it), random token ids.

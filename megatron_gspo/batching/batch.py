@@ -1,11 +1,11 @@
-"""Rollouts as padded training tensors, the model inputs of a padded micro-batch, and the per-token log-probs of
-the model's LM-head output.
+"""Rollouts as padded training tensors (a rollout batch, this data-parallel rank's share) and how its groups are
+ordered into minibatches: the first stage of the batching package.
 
 Legend: N sequences, L = seq_len + 1 token columns (inputs are tokens[:, :-1], labels tokens[:, 1:]), S = seq_len.
 A label position t (0-based over S) is a response token when t >= len(prompt) - 1 and t < len(prompt) - 1 +
 len(response): every generated token up to and including the first stop token counts; padding never does.
 Input position t is a real token fed for a prediction when t < len(prompt) + len(response) - 1 (the last sampled
-token predicts nothing); later positions are padding, kept out of the router's statistics (`model_forward`).
+token predicts nothing); later positions are padding, kept out of the router's statistics (`batching/inputs.py` `padding_mask`).
 
 Devices: `pack_rollouts` builds the batch on the host (from Python lists); `RolloutBatch.to(device)` moves it to
 the model's device once, and everything the forward passes make from it (position ids, padding mask, labels)

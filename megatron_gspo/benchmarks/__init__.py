@@ -1,0 +1,1 @@
+"""Benchmarks the CLI runs, apart from the training package: stability/ (`megatron-gspo stability`)."""

@@ -1,5 +1,6 @@
-"""Model checkpoints: the megatron dist-checkpoint format shared by conversion and the trainer, streamed HF
-safetensors I/O, and HF <-> Megatron conversion (`megatron-gspo convert`)."""
+"""Checkpoints: the trainer's (manager.py: atomic, durable, async, keep-last; trainer_contents.py: model, optimizer,
+RNG and run config inside one), the megatron dist-checkpoint format shared by conversion and the trainer, streamed
+HF safetensors I/O, and HF <-> Megatron conversion (`megatron-gspo convert`)."""
 
 from megatron_gspo.checkpoint.hf_io import HFCheckpointReader, write_hf_checkpoint
 from megatron_gspo.checkpoint.model_io import (

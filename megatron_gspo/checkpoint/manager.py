@@ -1,5 +1,5 @@
 """Trainer checkpoints on disk: how each one is made atomic and durable, how the newest complete one is found, and
-which ones are pruned. What a checkpoint holds is written by a callback (checkpoint_contents.py), so the format
+which ones are pruned. What a checkpoint holds is written by a callback (trainer_contents.py), so the format
 inside can change without touching this protocol.
 
 Layout of `checkpoints/`:

@@ -1,4 +1,4 @@
-"""What a trainer checkpoint holds, apart from the bookkeeping CheckpointManager does (checkpoint.py):
+"""What a trainer checkpoint holds, apart from the bookkeeping CheckpointManager does (manager.py):
 
   config.json, megatron_gspo.json, model/   the model, as a megatron dist_checkpointing checkpoint
                                             (checkpoint/model_io.py; loadable by any layout, convertible to HF)
@@ -76,6 +76,26 @@ def load_rank_file(path: Path):
 
 FORMAT = 2
 """Trainer checkpoint format: 2 = optimizer state in dist_checkpointing (reshardable)."""
+
+
+def check_resumable(path: Path, state: dict, *, distributed_optimizer: bool, ep: int) -> None:
+    """Raises ValueError (one line, with the way out) when this version cannot resume the checkpoint at `path`
+    (its trainer_state.json `state`) with the optimizer kind `distributed_optimizer` and expert-parallel size `ep`."""
+    if state.get("format", 1) < FORMAT:
+        raise ValueError(
+            f"{path} was written by an older megatron-gspo (per-rank optimizer files, checkpoint format "
+            f"{state.get('format', 1)}), which this version does not resume: start a new run with "
+            f"model.load={path} (weights only)"
+        )
+    layout = state.get("layout") or {}
+    if layout.get("distributed_optimizer") is False and not distributed_optimizer and layout.get("ep", 1) != ep:
+        # The plain optimizer's state is keyed by sub-optimizer, and megatron splits off an expert optimizer
+        # for EP > 1 only: it reshards over TP / PP / DP (tests/training/test_resume_layout.py), not over EP.
+        raise ValueError(
+            f"{path} holds the plain optimizer's state (optim.distributed=false), which does not resume with "
+            f"another expert-parallel size (ep {layout.get('ep', 1)} -> {ep}): resume with "
+            f"parallel.ep={layout.get('ep', 1)}"
+        )
 
 
 def current_layout(rt) -> dict:

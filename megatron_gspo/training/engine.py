@@ -15,7 +15,6 @@ checked against what the loss functions returned.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -35,8 +34,6 @@ from megatron_gspo.models.config import ModelConfig
 from megatron_gspo.models.router import set_aux_loss_weight
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.training.optim_config import OptimConfig
-
-log = logging.getLogger(__name__)
 
 
 def build_ddp_model(
@@ -244,12 +241,15 @@ __all__ = [
     "unwrap",
     "is_last_stage",
     "broadcast_from_last_stage",
+    "guarded_optimizer_step",
+    "schedule_shape",
 ]
 
 
-def guarded_optimizer_step(chunks: list, optimizer, scheduler, step: int, device) -> tuple[bool, float]:
-    """(stepped, grad norm) of one optimizer step, skipped (logged) when any rank holds a non-finite gradient or
-    the grad norm is not finite; the LR scheduler advances only with a step. `step`: the RL step, for the log; `device`: the model's (the flag's all-reduce)."""
+def guarded_optimizer_step(chunks: list, optimizer, scheduler, device) -> tuple[bool, float, str | None]:
+    """(stepped, grad norm, why it was skipped) of one optimizer step, skipped when any rank holds a non-finite
+    gradient or the grad norm is not finite; the LR scheduler advances only with a step. `device`: the model's
+    (where the flag's all-reduce buffer lives)."""
     # One flag on the device for all gradients (an all-reduce over NCCL, and one host sync). Every main_grad is
     # a view into a DDP gradient buffer (dense and expert-parallel), so one sum per buffer sees every gradient:
     # NaN / inf propagate through a sum, which reads the buffer once and writes nothing (isfinite().all() over
@@ -261,15 +261,13 @@ def guarded_optimizer_step(chunks: list, optimizer, scheduler, step: int, device
     if dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
-        log.warning("step %d: non-finite gradient: optimizer step skipped", step)
-        return False, float("nan")
+        return False, float("nan"), "non-finite gradient"
     ok, grad_norm, _ = optimizer.step()
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     if ok and math.isfinite(grad_norm):
         scheduler.step(increment=1)
-        return True, grad_norm
-    log.warning("step %d: non-finite grad norm (%s): optimizer step skipped", step, grad_norm)
-    return False, grad_norm
+        return True, grad_norm, None
+    return False, grad_norm, f"non-finite grad norm ({grad_norm})"
 
 
 def schedule_shape(micro: Sequence) -> tuple[int, int]:

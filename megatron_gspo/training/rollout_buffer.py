@@ -1,9 +1,10 @@
 """Where rollout production meets training consumption (DESIGN.md "The loop as stages").
 
-The rollout stage puts scored groups (one prompt, its G rollouts and their rewards) into the buffer, each stamped
-with the weight version that sampled it: the number of RL steps whose weights the rollout engine held (the
-trainer syncs the engine after every step, so a group produced before step s's update carries version s). The
-training stage takes one rollout batch's worth of groups out.
+The rollout stage puts scored groups (one prompt, its G rollouts and their rewards) into the buffer, each with the
+weight version that sampled it: the version every engine reports per rollout (`Rollout.weight_version`: the RL
+step whose weights the engine held; the trainer syncs the engine after every step, so a group produced before step
+s's update carries version s), the oldest of its rollouts' (`group_version`). The training stage takes one rollout
+batch's worth of groups out.
 
 Synchronous RL (today's loop) is this buffer with no look-ahead: the rollout stage fills it right before the
 training stage empties it, every group has staleness 0, and nothing is left over between steps (what the step does
@@ -25,7 +26,15 @@ from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rollout.types import Rollout
 
 
-@dataclass
+def group_version(rollouts: list[Rollout]) -> int:
+    """The weight version of a group: the oldest its rollouts were sampled under (a partial rollout continued after
+    a weight update reports the version of its oldest tokens)."""
+    if not rollouts:
+        raise ValueError("a rollout group needs at least one rollout")
+    return min(int(r.weight_version) for r in rollouts)
+
+
+@dataclass(eq=False)
 class RolloutGroup:
     """One prompt's G rollouts, scored, with the weight version that sampled them."""
 
@@ -74,12 +83,23 @@ class RolloutBuffer:
         for g in groups:
             (self._informative if g.informative else self._flat).append(g)
 
+    def ready(self, want: int, version: int) -> bool:
+        """Whether `take(want, version)` would find a full batch."""
+        return sum(version - g.weight_version <= self.max_staleness for g in (*self._informative, *self._flat)) >= want
+
     def take(self, want: int, version: int) -> Taken:
         """The groups of one rollout batch for weights of `version`: up to `want` informative groups, then
-        zero-variance ones up to `want`. Zero-variance groups left over are dropped (they carry no signal; a later
-        batch is better served by fresh ones); informative groups left over stay for the next batch."""
+        zero-variance ones up to exactly `want` (every data-parallel rank must hold as many sequences: a short
+        batch would leave the ranks' collectives unmatched, so it is a RuntimeError, never a smaller batch).
+        Zero-variance groups left over are dropped (they carry no signal; a later batch is better served by fresh
+        ones); informative groups left over stay for the next batch."""
         if want < 0:
             raise ValueError(f"want={want} must be >= 0")
+        if not self.ready(want, version):
+            raise RuntimeError(
+                f"the rollout buffer holds {len(self)} groups, fewer than the {want} a rollout batch needs within "
+                f"max_staleness={self.max_staleness} of weight version {version}"
+            )
         stale = 0
         for pool in (self._informative, self._flat):
             fresh = [g for g in pool if version - g.weight_version <= self.max_staleness]

@@ -27,6 +27,7 @@ from megatron_gspo.checkpoint.manager import CheckpointManager, CheckpointWriteE
 from megatron_gspo.checkpoint.trainer_contents import (
     FORMAT,
     RUN_CONFIG,
+    check_resumable,
     current_layout,
     layout_changes,
     load_trainer_contents,
@@ -52,7 +53,7 @@ from megatron_gspo.training.engine import (
 )
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.offload import ColocatedMemory
-from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken
+from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken, group_version
 from megatron_gspo.training.routing import RoutingControl, drift_rows, drift_sample
 from megatron_gspo.training.runtime import Runtime
 from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
@@ -152,23 +153,7 @@ class GSPOTrainer:
         if found is None:
             return None
         path, state = found
-        if state.get("format", 1) < FORMAT:
-            raise ValueError(
-                f"{path} was written by an older megatron-gspo (per-rank optimizer files, checkpoint format "
-                f"{state.get('format', 1)}), which this version does not resume: start a new run with "
-                f"model.load={path} (weights only)"
-            )
-        layout = state.get("layout") or {}
-        if layout.get("distributed_optimizer") is False and not self.cfg.optim.distributed and (
-            layout.get("ep", 1) != self.cfg.parallel.ep
-        ):
-            # The plain optimizer's state is keyed by sub-optimizer, and megatron splits off an expert optimizer
-            # for EP > 1 only: it reshards over TP / PP / DP (tests/training/test_resume_layout.py), not over EP.
-            raise ValueError(
-                f"{path} holds the plain optimizer's state (optim.distributed=false), which does not resume with "
-                f"another expert-parallel size (ep {layout.get('ep', 1)} -> {self.cfg.parallel.ep}): resume with "
-                f"parallel.ep={layout.get('ep', 1)}"
-            )
+        check_resumable(path, state, distributed_optimizer=self.cfg.optim.distributed, ep=self.cfg.parallel.ep)
         saved = path / RUN_CONFIG
         if saved.is_file():
             aux = self.cfg.model.model_config().router_aux_loss_coef
@@ -232,7 +217,8 @@ class GSPOTrainer:
     def produce(self, step_seed: int) -> tuple[list[RolloutGroup], dict]:
         """The rollout stage: generate -> score, with dynamic sampling (top up until this rank holds as many groups
         with reward variance as a batch needs, at most rollout.max_topup_rounds times). Groups carry the weight
-        version of the engine that sampled them (the current step: the engine was synced after the last update).
+        version the engine reports for them (synchronous: the current step, the engine was synced after the last
+        update).
 
         Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
         and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
@@ -248,10 +234,9 @@ class GSPOTrainer:
                 rollouts = self.generate(extra, step_seed + 7919 * rounds)
                 rewards = self.score(extra, rollouts)
                 errors += float(self.scorer.last_metrics.get("reward_errors", 0.0))
-                groups += [
-                    RolloutGroup(item, rollouts[i * g : (i + 1) * g], rewards[i * g : (i + 1) * g], self.step)
-                    for i, item in enumerate(extra)
-                ]
+                for i, item in enumerate(extra):
+                    mine = rollouts[i * g : (i + 1) * g]
+                    groups.append(RolloutGroup(item, mine, rewards[i * g : (i + 1) * g], group_version(mine)))
             if not r.dynamic_sampling or rounds == r.max_topup_rounds:
                 break
             needs = self._topup_needs(want - sum(x.informative for x in groups))
@@ -418,17 +403,15 @@ class GSPOTrainer:
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Steps unless any rank holds a non-finite gradient (then the step is skipped, logged, and the run goes on)."""
-        return guarded_optimizer_step(self.rt.chunks, self.rt.optimizer, self.rt.scheduler, self.step, self.rt.device)
+        ok, grad_norm, skipped = guarded_optimizer_step(self.rt.chunks, self.rt.optimizer, self.rt.scheduler,
+                                                        self.rt.device)
+        if skipped:
+            log.warning("step %d: %s: optimizer step skipped", self.step, skipped)
+        return ok, grad_norm
 
     @property
     def _colocated(self) -> bool:
         return self.cfg.rollout.engine == "sglang" and bool(self.cfg.sglang.get("colocated", False))
-
-    def _colocated_memory(self, action: str) -> None:
-        """Colocated SGLang servers give their GPU memory to the update ("release") and take it back for the weight
-        sync ("resume"); a no-op otherwise (training/offload.py `ColocatedMemory`)."""
-        if self.colocated is not None:
-            getattr(self.colocated, action)()
 
     def sync_weights(self) -> None:
         """Makes the rollout engine sample from the updated policy."""
@@ -524,7 +507,8 @@ class GSPOTrainer:
             self.watchdog.mark("generate")
             batch, rollout_stats = self.collect(step_seed=t.seed * 1_000_003 + self.step)
             times["time_generate"] = time.time() - t0
-            self._colocated_memory("release")
+            if self.colocated is not None:  # the servers' GPU memory to the update (training/offload.py)
+                self.colocated.release()
             t0 = time.time()
             self.watchdog.mark("old_logprobs")
             mismatch = self.old_logprobs(batch)
@@ -536,7 +520,8 @@ class GSPOTrainer:
             self.step += 1
             t0 = time.time()
             self.watchdog.mark("sync_weights")
-            self._colocated_memory("resume")
+            if self.colocated is not None:  # and back to the servers for the weight sync
+                self.colocated.resume()
             self.sync_weights()
             times["time_sync"] = time.time() - t0
             self.watchdog.mark("metrics")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_gspo.data.types import PromptItem
-from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup
+from megatron_gspo.rollout.types import Rollout
+from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, group_version
 
 
 def group(name: str, rewards, version: int = 0) -> RolloutGroup:
@@ -36,17 +37,30 @@ def test_surplus_informative_groups_wait_for_the_next_batch():
     buf.put([group("i1", [0, 1]), group("i2", [0, 1]), group("i3", [0, 1]), group("f1", [0, 0])])
     first = buf.take(2, version=0)
     assert names(first.groups) == ["i1", "i2"] and first.dropped == 1
+    buf.put([group("f2", [1, 1], version=1)])
     second = buf.take(2, version=1)
-    assert names(second.groups) == ["i3"]
-    assert second.staleness == [1]
+    assert names(second.groups) == ["i3", "f2"]
+    assert second.staleness == [1, 0]
+
+
+def test_a_short_batch_is_refused_not_taken():
+    # Every data-parallel rank must hold as many sequences: a smaller batch would leave collectives unmatched.
+    buf = RolloutBuffer()
+    buf.put([group("i1", [0, 1]), group("f1", [0, 0])])
+    assert not buf.ready(3, version=0)
+    with pytest.raises(RuntimeError, match="fewer than the 3 a rollout batch needs"):
+        buf.take(3, version=0)
+    assert buf.ready(2, version=0) and len(buf.take(2, version=0).groups) == 2
 
 
 def test_groups_older_than_max_staleness_are_dropped_and_counted():
     buf = RolloutBuffer(max_staleness=1)
-    buf.put([group("old", [0, 1], version=3), group("ok", [0, 1], version=4), group("flat", [1, 1], version=3)])
-    taken = buf.take(3, version=5)
-    assert names(taken.groups) == ["ok"]
-    assert taken.stale == 2 and taken.staleness == [1]
+    buf.put([group("old", [0, 1], version=3), group("ok", [0, 1], version=4), group("flat", [1, 1], version=3),
+             group("new", [1, 1], version=5)])
+    assert not buf.ready(3, version=5)
+    taken = buf.take(2, version=5)
+    assert names(taken.groups) == ["ok", "new"]
+    assert taken.stale == 2 and taken.staleness == [1, 0]
 
 
 def test_synchronous_buffer_refuses_nothing_of_the_current_version():
@@ -54,6 +68,15 @@ def test_synchronous_buffer_refuses_nothing_of_the_current_version():
     buf.put([group("a", [0, 1], version=7), group("b", [0, 0], version=7)])
     taken = buf.take(2, version=7)
     assert names(taken.groups) == ["a", "b"] and taken.stale == 0
+
+
+def test_a_group_has_the_oldest_weight_version_of_its_rollouts():
+    # A rollout continued across a weight update reports its oldest tokens' version (engines set it per rollout).
+    rollouts = [Rollout(prompt_ids=[1], response_ids=[2], logprobs=[0.0], finish_reason="stop", weight_version=v)
+                for v in (4, 3, 4)]
+    assert group_version(rollouts) == 3
+    with pytest.raises(ValueError, match="at least one rollout"):
+        group_version([])
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])

@@ -182,7 +182,7 @@ def _is_rank0() -> bool:
 
 def _code_version() -> dict:
     """The git commit the benchmark ran (and whether the tree had uncommitted changes), when known."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10

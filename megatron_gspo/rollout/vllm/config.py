@@ -17,7 +17,7 @@ TRAINER_WEIGHTS = "trainer"
 def engine_logprobs_problem(logprobs_mode: str, temperature: float, top_p: float, top_k: int) -> str | None:
     """Why vLLM's sample log-probs cannot be pi_old here (rollout.old_logprobs=engine), or None.
 
-    The trainer's pi_old / pi_theta is the full softmax of logits / rollout.temperature (batching/batch.py).
+    The trainer's pi_old / pi_theta is the full softmax of logits / rollout.temperature (batching/logprobs.py).
     vLLM 0.32 (v1/sample/sampler.py `Sampler.forward`, config/model.py `logprobs_mode`): 'processed_logprobs' are
     taken after temperature *and* top-k / top-p, i.e. renormalised over the kept tokens; 'raw_logprobs' are the
     full softmax at temperature 1. (SGLang 0.5.9 / 0.5.23 report log softmax(logits / T) before top-k / top-p,
