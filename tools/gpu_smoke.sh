@@ -8,7 +8,7 @@
 #   install      `make install` (CUDA torch when nvidia-smi works), unless GPU_SMOKE_SKIP_INSTALL=1
 #   env          the trainer's python sees CUDA; notes torch / CUDA versions, GPUs, transformer-engine
 #   kernels      pytest -m gpu tests/kernels: the Triton log-prob kernels compiled for the real device at
-#                N=16384 x V=151936 bf16 (past 2**31 elements; in-place d logits; autotuned), forward-only, the
+#                N=16384 x V=151936 bf16 (past 2**31 elements; in-place d logits; the fixed row config), forward-only, the
 #                fused LM head, the fp32 CUDA addmm, and vocab-parallel TP=2 over NCCL (with >= 2 GPUs)
 #   bench        tools/bench_logprob.py --device cuda: fused vs materialised-logits log-probs (prints ratios)
 #   train-1gpu   tiny Qwen3-MoE, 3 GSPO steps, bf16, NCCL, TE layer spec when transformer-engine imports
