@@ -50,7 +50,7 @@ def overlapped_minibatches(steps: int, rows_per_micro: int = 2, path: str = "fus
         loss_fn = make_policy_loss(PolicyLossConfig(algorithm="gspo", clip_low=0.99, clip_high=100.0))
         batch = rollout_batch(cfg.vocab_size)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        local = batch.rows(slice(dp_rank * N // dp, (dp_rank + 1) * N // dp))
+        local = batch.rows(slice(dp_rank * N // dp, (dp_rank + 1) * N // dp)).to(head.device)
         local.old_logprobs_NS = -1.0 * local.loss_mask_NS
         micro = [local.rows(slice(i, i + rows_per_micro)) for i in range(0, local.num_sequences, rows_per_micro)]
         for _ in range(steps):
@@ -64,7 +64,7 @@ def overlapped_minibatches(steps: int, rows_per_micro: int = 2, path: str = "fus
         weights = export_hf_state_dict(models)
         other = max((weights[k].float() - masters[k].to(torch.bfloat16).float()).abs().max().item()
                     for k in weights if k != "lm_head.weight")
-        return dict(lm_head=weights["lm_head.weight"].float(), lm_head_master=masters["lm_head.weight"],
+        return dict(lm_head=weights["lm_head.weight"].float().cpu(), lm_head_master=masters["lm_head.weight"].cpu(),
                     other_max_diff=other)
     finally:
         shutdown()

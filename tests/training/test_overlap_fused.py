@@ -8,6 +8,7 @@ gather in flight and the third one trips megatron's `param_gather_handle is None
 2 gloo ranks (DP=2), bf16 params with fp32 masters, 3 optimizer steps: after the forced gather every rank's LM
 head equals the fp32 masters (gathered from both ranks' shards) rounded to bf16, as does every other weight."""
 
+import pytest
 import torch
 
 from tests.distributed import run_distributed
@@ -30,3 +31,12 @@ def test_fused_path_with_overlapped_param_gather_two_steps_one_micro_batch():
     """Two steps of one micro-batch each do not assert: there the LM head's rows from the other rank silently
     missed the last update."""
     _check(run_distributed(overlapped_minibatches, 2, 4, world_size=2))
+
+
+@pytest.mark.gpu
+def test_fused_path_with_overlapped_param_gather_on_cuda():
+    """tools/gpu_smoke.sh part `overlap`: one rank on CUDA (NCCL; the gathers are asynchronous CUDA work there),
+    4 steps -- the issue's reproduction, which asserted at the third -- then the LM head equals its masters."""
+    (rank,) = run_distributed(overlapped_minibatches, 4, world_size=1)
+    torch.testing.assert_close(rank["lm_head"], rank["lm_head_master"].to(torch.bfloat16).float(), atol=0, rtol=0)
+    assert rank["other_max_diff"] == 0.0
