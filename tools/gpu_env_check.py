@@ -27,16 +27,22 @@ def check_te(import_module: Callable = importlib.import_module) -> str:
         te = import_module("transformer_engine.pytorch")
         version = Version(str(getattr(import_module("transformer_engine"), "__version__", "0")))
     except Exception as err:  # noqa: BLE001 - an ImportError, or a CUDA / ABI error from its C++ extension
-        raise RuntimeError(f"transformer-engine does not import ({type(err).__name__}: {_first_line(err)}) -- "
-                           "pip install 'transformer-engine[pytorch]>=2.9.0a0,<2.12.0' --no-build-isolation") from err
+        raise RuntimeError(
+            f"transformer-engine does not import ({type(err).__name__}: {_first_line(err)}) -- "
+            "pip install 'transformer-engine[pytorch]>=2.9.0a0,<2.12.0' --no-build-isolation"
+        ) from err
     if not Version("2.9.0a0") <= version < Version("2.12.0"):
-        raise RuntimeError(f"transformer-engine {version} is outside megatron-core 0.16.1's range "
-                           f"{','.join(TE_RANGE)} -- install one inside it")
+        raise RuntimeError(
+            f"transformer-engine {version} is outside megatron-core 0.16.1's range "
+            f"{','.join(TE_RANGE)} -- install one inside it"
+        )
     try:
         import_module("megatron.core.extensions.transformer_engine")
     except Exception as err:  # noqa: BLE001
-        raise RuntimeError(f"megatron-core's TE extension does not load with TE {version} "
-                           f"({type(err).__name__}: {_first_line(err)}) -- reinstall TE against this torch") from err
+        raise RuntimeError(
+            f"megatron-core's TE extension does not load with TE {version} "
+            f"({type(err).__name__}: {_first_line(err)}) -- reinstall TE against this torch"
+        ) from err
     del te
     return f"transformer-engine {version}"
 
@@ -50,13 +56,17 @@ def check_triton(libcuda_dirs: Callable | None = None, compile_probe: Callable |
     try:
         dirs = libcuda_dirs()
     except Exception as err:  # noqa: BLE001 - triton raises AssertionError / RuntimeError when it finds none
-        raise RuntimeError(f"Triton finds no libcuda.so ({_first_line(err)}) -- install the NVIDIA driver's "
-                           "libcuda, or set TRITON_LIBCUDA_PATH to its directory") from err
+        raise RuntimeError(
+            f"Triton finds no libcuda.so ({_first_line(err)}) -- install the NVIDIA driver's "
+            "libcuda, or set TRITON_LIBCUDA_PATH to its directory"
+        ) from err
     try:
         (compile_probe or _compile_and_run)()
     except Exception as err:  # noqa: BLE001 - ptxas / compiler / launch failures
-        raise RuntimeError(f"Triton {triton.__version__} cannot compile and run a kernel on this GPU "
-                           f"({type(err).__name__}: {_first_line(err)}) -- check CUDA driver and ptxas") from err
+        raise RuntimeError(
+            f"Triton {triton.__version__} cannot compile and run a kernel on this GPU "
+            f"({type(err).__name__}: {_first_line(err)}) -- check CUDA driver and ptxas"
+        ) from err
     return f"triton {triton.__version__} (libcuda in {dirs[0] if dirs else '?'})"
 
 
@@ -83,15 +93,20 @@ def check_nccl(torch_module=None) -> str:
     if torch is None:
         import torch
     if not torch.cuda.is_available():
-        raise RuntimeError("torch sees no CUDA device -- a CPU build of torch (reinstall the pinned CUDA build), "
-                           "or no driver")
+        raise RuntimeError(
+            "torch sees no CUDA device -- a CPU build of torch (reinstall the pinned CUDA build), "
+            "or no driver"
+        )
     try:
         version = torch.cuda.nccl.version()
     except Exception as err:  # noqa: BLE001
-        raise RuntimeError(f"torch {torch.__version__} has no NCCL ({_first_line(err)}) -- install a CUDA build "
-                           "of torch") from err
+        raise RuntimeError(
+            f"torch {torch.__version__} has no NCCL ({_first_line(err)}) -- install a CUDA build of torch"
+        ) from err
     if not torch.distributed.is_nccl_available():
-        raise RuntimeError(f"torch {torch.__version__} was built without ProcessGroupNCCL -- install a CUDA build")
+        raise RuntimeError(
+            f"torch {torch.__version__} was built without ProcessGroupNCCL -- install a CUDA build"
+        )
     text = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     return f"torch {torch.__version__}, NCCL {text}"
 
@@ -117,8 +132,13 @@ def run(checks: dict[str, Callable[[], str]], out=print) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip", action="append", default=[], choices=sorted(CHECKS),
-                        help="a check not to run (e.g. te on a machine without transformer-engine)")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=sorted(CHECKS),
+        help="a check not to run (e.g. te on a machine without transformer-engine)",
+    )
     args = parser.parse_args(argv)
     return run({k: v for k, v in CHECKS.items() if k not in args.skip})
 

@@ -27,8 +27,19 @@ from megatron_gspo.models.config import preset
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
 from megatron_gspo.rollout.types import Rollout
-from megatron_gspo.training.batch import logprob_forward_step, pack_rollouts, policy_forward_step, policy_units
-from megatron_gspo.training.engine import OptimConfig, build_ddp_model, build_optimizer, forward_backward, unwrap
+from megatron_gspo.training.batch import (
+    logprob_forward_step,
+    pack_rollouts,
+    policy_forward_step,
+    policy_units,
+)
+from megatron_gspo.training.engine import (
+    OptimConfig,
+    build_ddp_model,
+    build_optimizer,
+    forward_backward,
+    unwrap,
+)
 from megatron_gspo.training.micro_batches import MicroBatcher, schedule_shape
 from megatron_gspo.training.routing import RoutingControl
 
@@ -64,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dtype = torch.bfloat16
         seq = args.prompt + args.max_response
-        cfg = preset(args.preset, num_hidden_layers=args.layers, router_aux_loss_coef=0.001,
-                     max_position_embeddings=max(seq + 1, 256))
+        cfg = preset(
+            args.preset,
+            num_hidden_layers=args.layers,
+            router_aux_loss_coef=0.001,
+            max_position_embeddings=max(seq + 1, 256),
+        )
         options = BuildOptions(dtype=dtype, routing_replay=True)
         spec = "TE" if resolve_use_te(options) else "local"
         optim = OptimConfig(distributed=True, lr=1e-6, clip_grad=1.0)
@@ -78,12 +93,20 @@ def main(argv: list[str] | None = None) -> int:
         n = args.sequences
         lengths = [max(1, round(args.max_response * 16 ** (-(i + 0.5) / n))) for i in range(n)]
         vocab = cfg.vocab_size
-        rollouts = [Rollout(torch.randint(1, vocab, (args.prompt,), generator=gen).tolist(),
-                            torch.randint(1, vocab, (r,), generator=gen).tolist(), [-1.0] * r, "stop")
-                    for r in lengths]
+        rollouts = [
+            Rollout(
+                torch.randint(1, vocab, (args.prompt,), generator=gen).tolist(),
+                torch.randint(1, vocab, (r,), generator=gen).tolist(),
+                [-1.0] * r,
+                "stop",
+            )
+            for r in lengths
+        ]
         batch = pack_rollouts(rollouts, seq, 0, torch.zeros(n), torch.randn(n, generator=gen)).to(device)
         loss_fn = make_policy_loss(PolicyLossConfig(algorithm="gspo", clip_low=0.99, clip_high=100.0))
-        batcher = MicroBatcher.for_model(model.config, layout="packed", micro_batch_size=n, max_tokens=args.max_tokens)
+        batcher = MicroBatcher.for_model(
+            model.config, layout="packed", micro_batch_size=n, max_tokens=args.max_tokens
+        )
         groups = batcher.plan(batch)
         micro = batcher.build(batch, groups)
         length, mbs = schedule_shape(micro)
@@ -92,9 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         old = {}
         for path in ("logits", "fused"):
             with routing.old_policy_pass(None, batch), torch.no_grad():
-                outs = forward_backward(chunks, micro, logprob_forward_step(vocab, 1.0, routing.before_forward,
-                                                                            logprob_path=path),
-                                        seq_length=length, micro_batch_size=mbs, forward_only=True)
+                outs = forward_backward(
+                    chunks,
+                    micro,
+                    logprob_forward_step(vocab, 1.0, routing.before_forward, logprob_path=path),
+                    seq_length=length,
+                    micro_batch_size=mbs,
+                    forward_only=True,
+                )
             old[path] = torch.zeros(n, seq, device=device)
             old[path][rows] = torch.cat([o["token_logprobs"] for o in outs])
         mask = batch.loss_mask_NS
@@ -107,27 +135,38 @@ def main(argv: list[str] | None = None) -> int:
             _sync(device)
             t0 = time.perf_counter()
             with routing.training_pass():
-                forward_backward(chunks, batcher.build(batch, groups),
-                                 policy_forward_step(loss_fn, vocab, 1.0, routing.before_forward, logprob_path=path),
-                                 seq_length=length, micro_batch_size=mbs, units_of=policy_units(loss_fn))
+                forward_backward(
+                    chunks,
+                    batcher.build(batch, groups),
+                    policy_forward_step(loss_fn, vocab, 1.0, routing.before_forward, logprob_path=path),
+                    seq_length=length,
+                    micro_batch_size=mbs,
+                    units_of=policy_units(loss_fn),
+                )
             _sync(device)
             seconds[path] = time.perf_counter() - t0
             peak[path] = _peak_gib(device)
             grads[path] = torch.cat([p.main_grad.flatten().float() for p in model.parameters()])
         g_err = float((grads["fused"] - grads["logits"]).norm() / grads["logits"].norm())
         if not lp_err < LOGPROB_TOL:
-            problems.append(f"log-probs fused vs logits differ by {lp_err:.3g} (norm-wise; tolerance {LOGPROB_TOL:g})")
+            problems.append(
+                f"log-probs fused vs logits differ by {lp_err:.3g} (norm-wise; tolerance {LOGPROB_TOL:g})"
+            )
         if not (g_err < GRAD_TOL and torch.isfinite(grads["fused"]).all()):
-            problems.append(f"gradients fused vs logits differ by {g_err:.3g} (tolerance {GRAD_TOL:g}) or are not finite")
+            problems.append(
+                f"gradients fused vs logits differ by {g_err:.3g} (tolerance {GRAD_TOL:g}) or are not finite"
+            )
         ok, grad_norm, _ = optimizer.step()
         if not ok or grad_norm is None or not torch.isfinite(torch.tensor(grad_norm)):
             problems.append(f"the optimizer step after the fused update failed (grad norm {grad_norm})")
         params = sum(p.numel() for p in model.parameters())
-        detail = (f"{args.preset} x{args.layers} layers ({params / 1e9:.2f}B params), {spec} spec on {device}, "
-                  f"{len(micro)} packs / {tokens} tokens; log-prob error {lp_err:.2e}, gradient error {g_err:.2e}; "
-                  f"peak {'device' if device.type == 'cuda' else 'host RSS'} memory fused {peak['fused']:.2f} GiB "
-                  f"vs logits {peak['logits']:.2f} GiB; fused update {tokens / seconds['fused']:.0f} tokens/s "
-                  f"(logits {tokens / seconds['logits']:.0f})")
+        detail = (
+            f"{args.preset} x{args.layers} layers ({params / 1e9:.2f}B params), {spec} spec on {device}, "
+            f"{len(micro)} packs / {tokens} tokens; log-prob error {lp_err:.2e}, gradient error {g_err:.2e}; "
+            f"peak {'device' if device.type == 'cuda' else 'host RSS'} memory fused {peak['fused']:.2f} GiB "
+            f"vs logits {peak['logits']:.2f} GiB; fused update {tokens / seconds['fused']:.0f} tokens/s "
+            f"(logits {tokens / seconds['logits']:.0f})"
+        )
         if problems:
             print(f"shapes check: FAILED ({detail}): " + "; ".join(problems))
             return 1

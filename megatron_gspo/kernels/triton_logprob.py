@@ -226,8 +226,18 @@ def row_stats(
     kernels = _current_kernels()
     block, warps = row_config(V) if block_v is None else (_check_block(block_v), _num_warps(block_v))
     kernels.row_stats[(N,)](
-        logits_NV, logits_NV.stride(0), targets_N, active_N, lse_N, target_logit_N, V, vocab_start, inv_temperature,
-        BLOCK_V=block, num_warps=warps, enable_fp_fusion=_FP_FUSION,
+        logits_NV,
+        logits_NV.stride(0),
+        targets_N,
+        active_N,
+        lse_N,
+        target_logit_N,
+        V,
+        vocab_start,
+        inv_temperature,
+        BLOCK_V=block,
+        num_warps=warps,
+        enable_fp_fusion=_FP_FUSION,
     )
     return lse_N, target_logit_N
 

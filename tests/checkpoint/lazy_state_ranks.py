@@ -38,8 +38,13 @@ class LazyFusedAdam(torch.optim.Optimizer):
 def _swap_in_fused_adam(optimizer) -> None:
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         cfg = sub.config
-        sub.optimizer = LazyFusedAdam(sub.optimizer.param_groups, cfg.lr, (cfg.adam_beta1, cfg.adam_beta2),
-                                      cfg.adam_eps, cfg.weight_decay)
+        sub.optimizer = LazyFusedAdam(
+            sub.optimizer.param_groups,
+            cfg.lr,
+            (cfg.adam_beta1, cfg.adam_beta2),
+            cfg.adam_eps,
+            cfg.weight_decay,
+        )
 
 
 def save_and_load_before_first_step(root: str, fused: bool = True) -> dict:
@@ -69,9 +74,19 @@ def save_and_load_before_first_step(root: str, fused: bool = True) -> dict:
             opt = build_optimizer(chunks, optim, torch.bfloat16)
             if fused:
                 _swap_in_fused_adam(opt)
-            sched = OptimizerParamScheduler(opt, init_lr=1e-2, max_lr=1e-2, min_lr=0.0, lr_warmup_steps=0,
-                                            lr_decay_steps=10, lr_decay_style="constant", start_wd=0.0,
-                                            end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant")
+            sched = OptimizerParamScheduler(
+                opt,
+                init_lr=1e-2,
+                max_lr=1e-2,
+                min_lr=0.0,
+                lr_warmup_steps=0,
+                lr_decay_steps=10,
+                lr_decay_style="constant",
+                start_wd=0.0,
+                end_wd=0.0,
+                wd_incr_steps=10,
+                wd_incr_style="constant",
+            )
             built.append((chunks, opt, sched))
         (chunks, opt, sched), (chunks2, opt2, sched2) = built
         write_optimizer_checkpoint(chunks, opt, sched, root)
@@ -87,12 +102,24 @@ def save_and_load_before_first_step(root: str, fused: bool = True) -> dict:
         for p in unwrap(chunks2[0]).parameters():
             p.main_grad.fill_(1e-3)
         ok, _, _ = opt2.step()
-        moved = max((p.detach().float() - weights[n]).abs().max().item()
-                    for n, p in unwrap(chunks2[0]).named_parameters())
-        return dict(moments=max(v.abs().max().item() for k in ("exp_avg", "exp_avg_sq") for v in state[k].values()),
-                    masters_match=masters_match, ok=bool(ok), moved=moved,
-                    steps=sorted({int(_step(sub.optimizer, g)) for sub in getattr(opt2, "chained_optimizers", [opt2])
-                                  for g in sub.optimizer.param_groups if g["params"]}))
+        moved = max(
+            (p.detach().float() - weights[n]).abs().max().item()
+            for n, p in unwrap(chunks2[0]).named_parameters()
+        )
+        return dict(
+            moments=max(v.abs().max().item() for k in ("exp_avg", "exp_avg_sq") for v in state[k].values()),
+            masters_match=masters_match,
+            ok=bool(ok),
+            moved=moved,
+            steps=sorted(
+                {
+                    int(_step(sub.optimizer, g))
+                    for sub in getattr(opt2, "chained_optimizers", [opt2])
+                    for g in sub.optimizer.param_groups
+                    if g["params"]
+                }
+            ),
+        )
     finally:
         for k, v in flags.items():
             setattr(distrib_optimizer, k, v)

@@ -16,8 +16,9 @@ TIMEOUT_S = 3.0
 
 @pytest.mark.parametrize("poll", [False, True], ids=["wait", "poll"])
 def test_a_deadlocked_writer_fails_every_rank_in_one_line(tmp_path, poll):
-    ranks = run_distributed(save_with_a_stopped_writer, str(tmp_path / "ckpt"), TIMEOUT_S, 1, poll,
-                            world_size=2, timeout=120)
+    ranks = run_distributed(
+        save_with_a_stopped_writer, str(tmp_path / "ckpt"), TIMEOUT_S, 1, poll, world_size=2, timeout=120
+    )
     for r in ranks:
         error = r["error"]
         assert error is not None and error.startswith("checkpoint iter_0000001 not written"), error

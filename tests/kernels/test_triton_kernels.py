@@ -85,9 +85,7 @@ def _stats_cases(dtype):
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # the -inf row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "block_v", [None] + sorted({block for _, block, _ in triton_logprob.ROW_CONFIGS})
-)
+@pytest.mark.parametrize("block_v", [None] + sorted({block for _, block, _ in triton_logprob.ROW_CONFIGS}))
 def test_row_stats_every_config_matches_float64(dtype, block_v):
     """Every block of ROW_CONFIGS (and the default path) against a float64 log-sum-exp."""
     logits, targets, active, V = _stats_cases(dtype)
@@ -115,8 +113,9 @@ class _Launches:
 
         class Launcher:
             def __getitem__(self, grid):
-                return lambda *args, **kwargs: outer.seen.append((name, kwargs.get("BLOCK_V"),
-                                                                  kwargs.get("num_warps")))
+                return lambda *args, **kwargs: outer.seen.append(
+                    (name, kwargs.get("BLOCK_V"), kwargs.get("num_warps"))
+                )
 
         return Launcher()
 
@@ -157,7 +156,9 @@ def test_row_stats_bits_repeat_for_a_width():
     logits, targets, active = _inputs(N=5, V=3000)
     first = triton_logprob.row_stats(logits, targets, active, 100, 1.0)
     again = triton_logprob.row_stats(logits, targets, active, 100, 1.0)
-    explicit = triton_logprob.row_stats(logits, targets, active, 100, 1.0, block_v=triton_logprob.row_config(3000)[0])
+    explicit = triton_logprob.row_stats(
+        logits, targets, active, 100, 1.0, block_v=triton_logprob.row_config(3000)[0]
+    )
     for a, b, c in zip(first, again, explicit):
         assert torch.equal(a, b) and torch.equal(a, c)
 

@@ -82,8 +82,9 @@ def _install(tmp_path, **env):
     log = tmp_path / "log"
     log.write_text("")
     run_env = {**os.environ, "GSPO_VENV": str(venv), "FAKE_LOG": str(log), **env}
-    done = subprocess.run(["bash", str(ROOT / "tools" / "install.sh")], env=run_env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["bash", str(ROOT / "tools" / "install.sh")], env=run_env, capture_output=True, text=True, timeout=60
+    )
     return done, log.read_text().splitlines(), (venv / ".installed").exists()
 
 
@@ -93,7 +94,9 @@ def test_gpu_install_pins_the_rollout_engines_torch_installs_te_and_checks(tmp_p
     assert done.returncode == 0, done.stderr
     assert f"-m pip install -q torch=={torch_pin}" in calls
     assert "-m pip install -q -e .[test]" in calls
-    assert "-m pip install -q --no-build-isolation -e .[gpu]" in calls  # TE, in megatron-core's range (setup.py)
+    assert (
+        "-m pip install -q --no-build-isolation -e .[gpu]" in calls
+    )  # TE, in megatron-core's range (setup.py)
     assert calls[-1] == "tools/gpu_env_check.py" and installed
 
 
@@ -117,8 +120,13 @@ def test_cpu_install_is_unchanged(tmp_path):
     assert "-m pip install -q torch==2.13.0" in calls and not any("gpu" in c for c in calls)
 
 
-@pytest.mark.parametrize("env, message", [(dict(GSPO_ROLLOUT_ENGINE="trt"), "GSPO_ROLLOUT_ENGINE=trt must be"),
-                                          (dict(GSPO_DEVICE="tpu"), "GSPO_DEVICE=tpu must be gpu or cpu")])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (dict(GSPO_ROLLOUT_ENGINE="trt"), "GSPO_ROLLOUT_ENGINE=trt must be"),
+        (dict(GSPO_DEVICE="tpu"), "GSPO_DEVICE=tpu must be gpu or cpu"),
+    ],
+)
 def test_bad_install_settings_are_one_line(tmp_path, env, message):
     done, calls, installed = _install(tmp_path, **env)
     assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1 and not installed
@@ -126,6 +134,7 @@ def test_bad_install_settings_are_one_line(tmp_path, env, message):
 
 
 # ------------------------------------------------------------------ tools/gpu_env_check.py (stand-ins)
+
 
 def _env_check():
     spec = importlib.util.spec_from_file_location("gpu_env_check", ROOT / "tools" / "gpu_env_check.py")
@@ -136,10 +145,12 @@ def _env_check():
 
 def _importer(versions: dict):
     """import_module stand-in: modules named in `versions` import (with that __version__), others fail."""
+
     def import_module(name):
         if name not in versions:
             raise ImportError(f"libtransformer_engine.so: cannot open shared object file ({name})")
         return SimpleNamespace(__version__=versions[name])
+
     return import_module
 
 
@@ -148,35 +159,54 @@ def _torch(cuda=True, nccl=(2, 30, 7), pg=True):
         if nccl is None:
             raise AttributeError("module 'torch._C' has no attribute '_nccl_version'")
         return nccl
-    return SimpleNamespace(__version__="2.14.1", cuda=SimpleNamespace(is_available=lambda: cuda,
-                                                                       nccl=SimpleNamespace(version=version)),
-                           distributed=SimpleNamespace(is_nccl_available=lambda: pg))
+
+    return SimpleNamespace(
+        __version__="2.14.1",
+        cuda=SimpleNamespace(is_available=lambda: cuda, nccl=SimpleNamespace(version=version)),
+        distributed=SimpleNamespace(is_nccl_available=lambda: pg),
+    )
 
 
 def test_env_checks_pass_and_fail_in_one_line_each():
     check = _env_check()
-    te_ok = {"transformer_engine.pytorch": "", "transformer_engine": "2.10.0",
-             "megatron.core.extensions.transformer_engine": ""}
+    te_ok = {
+        "transformer_engine.pytorch": "",
+        "transformer_engine": "2.10.0",
+        "megatron.core.extensions.transformer_engine": "",
+    }
     lines: list[str] = []
-    rc = check.run({
-        "te": lambda: check.check_te(_importer(te_ok)),
-        "te-missing": lambda: check.check_te(_importer({})),
-        "te-old": lambda: check.check_te(_importer({**te_ok, "transformer_engine": "2.8.0"})),
-        "te-megatron": lambda: check.check_te(_importer({k: v for k, v in te_ok.items() if "megatron" not in k})),
-        "triton": lambda: check.check_triton(lambda: ["/usr/lib64"], lambda: None),
-        "triton-libcuda": lambda: check.check_triton(lambda: (_ for _ in ()).throw(AssertionError("libcuda.so cannot found!\nPlease")), lambda: None),
-        "triton-compile": lambda: check.check_triton(lambda: ["/usr/lib64"], lambda: (_ for _ in ()).throw(RuntimeError("ptxas fatal"))),
-        "nccl": lambda: check.check_nccl(_torch()),
-        "nccl-cpu": lambda: check.check_nccl(_torch(cuda=False)),
-        "nccl-missing": lambda: check.check_nccl(_torch(nccl=None)),
-        "nccl-pg": lambda: check.check_nccl(_torch(pg=False)),
-    }, out=lines.append)
+    rc = check.run(
+        {
+            "te": lambda: check.check_te(_importer(te_ok)),
+            "te-missing": lambda: check.check_te(_importer({})),
+            "te-old": lambda: check.check_te(_importer({**te_ok, "transformer_engine": "2.8.0"})),
+            "te-megatron": lambda: check.check_te(
+                _importer({k: v for k, v in te_ok.items() if "megatron" not in k})
+            ),
+            "triton": lambda: check.check_triton(lambda: ["/usr/lib64"], lambda: None),
+            "triton-libcuda": lambda: check.check_triton(
+                lambda: (_ for _ in ()).throw(AssertionError("libcuda.so cannot found!\nPlease")),
+                lambda: None,
+            ),
+            "triton-compile": lambda: check.check_triton(
+                lambda: ["/usr/lib64"], lambda: (_ for _ in ()).throw(RuntimeError("ptxas fatal"))
+            ),
+            "nccl": lambda: check.check_nccl(_torch()),
+            "nccl-cpu": lambda: check.check_nccl(_torch(cuda=False)),
+            "nccl-missing": lambda: check.check_nccl(_torch(nccl=None)),
+            "nccl-pg": lambda: check.check_nccl(_torch(pg=False)),
+        },
+        out=lines.append,
+    )
     assert rc == 1 and len(lines) == 11
     status = {line.split()[3].rstrip(":"): line.split()[2] for line in lines}  # "gpu env: PASS te: ..."
     assert {k for k, v in status.items() if v == "PASS"} == {"te", "triton", "nccl"}, lines
     by = {line.split()[3].rstrip(":"): line for line in lines}
     assert "transformer-engine 2.10.0" in by["te"] and "NCCL 2.30.7" in by["nccl"]
-    assert "does not import" in by["te-missing"] and "pip install 'transformer-engine[pytorch]" in by["te-missing"]
+    assert (
+        "does not import" in by["te-missing"]
+        and "pip install 'transformer-engine[pytorch]" in by["te-missing"]
+    )
     assert "2.8.0 is outside megatron-core 0.16.1's range" in by["te-old"]
     assert "TE extension does not load" in by["te-megatron"]
     assert "finds no libcuda.so" in by["triton-libcuda"] and "TRITON_LIBCUDA_PATH" in by["triton-libcuda"]

@@ -38,5 +38,7 @@ def test_fused_path_with_overlapped_param_gather_on_cuda():
     """tools/gpu_smoke.sh part `overlap`: one rank on CUDA (NCCL; the gathers are asynchronous CUDA work there),
     4 steps -- the issue's reproduction, which asserted at the third -- then the LM head equals its masters."""
     (rank,) = run_distributed(overlapped_minibatches, 4, world_size=1)
-    torch.testing.assert_close(rank["lm_head"], rank["lm_head_master"].to(torch.bfloat16).float(), atol=0, rtol=0)
+    torch.testing.assert_close(
+        rank["lm_head"], rank["lm_head_master"].to(torch.bfloat16).float(), atol=0, rtol=0
+    )
     assert rank["other_max_diff"] == 0.0

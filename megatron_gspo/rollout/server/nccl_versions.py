@@ -85,7 +85,9 @@ def probe_python(python: str, who: str, timeout_s: float = 300.0) -> NcclSide:
     """The versions of the environment of interpreter `python` (it imports its torch: seconds). A failure is a
     one-line ValueError naming the interpreter."""
     try:
-        done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            [python, "-c", PROBE], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise ValueError(f"{who}: could not run {python} to read its torch / NCCL versions: {err}") from err
     if done.returncode != 0:
@@ -104,7 +106,9 @@ def check_same_nccl(trainer: NcclSide, servers: NcclSide, *, setting: str, file_
     to set instead ('sglang.weight_sync=disk or shm'). A side without NCCL is not compared (the join itself then
     fails with its own error: that side cannot run NCCL at all)."""
     if trainer.nccl is None or servers.nccl is None:
-        logger.warning("%s: NCCL versions not compared (%s; %s)", setting, trainer.describe(), servers.describe())
+        logger.warning(
+            "%s: NCCL versions not compared (%s; %s)", setting, trainer.describe(), servers.describe()
+        )
         return
     if trainer.nccl == servers.nccl:
         return
@@ -128,7 +132,9 @@ def preflight(config, *, setting: str, file_transports: str, trainer: NcclSide |
         logger.warning(
             "%s with attached servers: their NCCL cannot be checked from here (%s); a 'Mismatched NCCL version' at "
             "the first sync means the servers' torch differs: install theirs, or set %s",
-            setting, trainer.describe(), file_transports,
+            setting,
+            trainer.describe(),
+            file_transports,
         )
         return
     servers = probe_python(config.python, f"the {section} environment ({config.python})")
