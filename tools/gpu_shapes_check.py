@@ -160,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         if not ok or grad_norm is None or not torch.isfinite(torch.tensor(grad_norm)):
             problems.append(f"the optimizer step after the fused update failed (grad norm {grad_norm})")
         params = sum(p.numel() for p in model.parameters())
+        # The figures first: the smoke summary shows the first 200 characters.
         detail = (
+            f"fused update {tokens / seconds['fused']:.0f} tokens/s (logits {tokens / seconds['logits']:.0f}), "
+            f"peak {'device' if device.type == 'cuda' else 'host RSS'} memory {peak['fused']:.2f} GiB "
+            f"(logits {peak['logits']:.2f}), log-prob error {lp_err:.2e}, gradient error {g_err:.2e}; "
             f"{args.preset} x{args.layers} layers ({params / 1e9:.2f}B params), {spec} spec on {device}, "
-            f"{len(micro)} packs / {tokens} tokens; log-prob error {lp_err:.2e}, gradient error {g_err:.2e}; "
-            f"peak {'device' if device.type == 'cuda' else 'host RSS'} memory fused {peak['fused']:.2f} GiB "
-            f"vs logits {peak['logits']:.2f} GiB; fused update {tokens / seconds['fused']:.0f} tokens/s "
-            f"(logits {tokens / seconds['logits']:.0f})"
+            f"{len(micro)} packs / {tokens} tokens"
         )
         if problems:
             print(f"shapes check: FAILED ({detail}): " + "; ".join(problems))
