@@ -254,13 +254,14 @@ else
         "$PYTHON" -m pytest -q -rs -m gpu "${KERNEL_TESTS[@]}"
 fi
 
-# A tiny run with the GPU recommendations: overlap flags (small buckets, so several), background checkpoints, then a
+# A tiny run with the GPU recommendations: overlap flags (small buckets, so several), a background checkpoint after
+# step 1 and the final one after step 2 (periodic checkpoints skip the last step), then a
 # resume from the last one. bf16 on the GPU (NCCL); fp32 in the CPU dry mode (gloo).
 SMALL=(trainer.progress=false trainer.save_final=false eval.max_prompts=64)
 [[ "$CPU_MODE" == 1 ]] || SMALL+=(model.dtype=bf16)
 RESUME_RUN=("$PYTHON" -m megatron_gspo.cli.main train --config "$TINY" "trainer.run_dir=$WORK/resume" "${SMALL[@]}"
     optim.overlap_grad_reduce=true optim.overlap_param_gather=true optim.bucket_size=8192
-    trainer.ckpt_every=1 trainer.async_save=true trainer.prompts_per_step=16)
+    trainer.ckpt_every=1 trainer.async_save=true trainer.prompts_per_step=16 trainer.save_final=true)
 RESUME_CAP=110
 [[ "$CPU_MODE" == 1 ]] && RESUME_CAP=600
 run_part resume "$RESUME_CAP" --rows "$WORK/resume" 3 --figure 'checkpoint iter_[0-9]+ complete' \
