@@ -4,8 +4,12 @@ TEDotProductAttention's THD path; else the local spec's packed attention on CUDA
 On one GPU, bf16 params with fp32 masters, routing replay R2, router aux loss on:
 1. the THD contract the model receives: cu_seqlens int32 on the GPU covering every token of the pack, max_seqlen a
    Python int, pack lengths multiples of the sequence-parallel size;
-2. old-policy log-probs of a length-skewed batch: packed + fused vs padded + materialised logits (bf16 accuracy);
-3. one RL minibatch update (R2 replay of the recorded routes, packed + fused) vs padded + logits: finite loss,
+2. old-policy log-probs of a length-skewed batch: packed + fused vs padded + materialised logits, norm-wise within
+   LOGPROB_TOL (3e-3: bf16 rounding of two summation orders measured ~1e-3 on CPU);
+3. a negative control that must FAIL that tolerance: the same packs declared as one segment each (cu_seqlens
+   [0, T]), so every sequence attends to the ones packed before it -- the bug a broken THD path would have. The
+   old 2% tolerance accepted it (1.7% measured at this shape): a check that cannot fail checks nothing;
+4. one RL minibatch update (R2 replay of the recorded routes, packed + fused) vs padded + logits: finite loss,
    gradients agreeing norm-wise, an optimizer step.
 Prints `packed check: OK (...)` or `packed check: FAILED (...)` (exit 1). Used by tools/gpu_smoke.sh (part
 `packed`); runs on CPU too (local spec), which is how it is kept working without a GPU.
@@ -13,6 +17,7 @@ Prints `packed check: OK (...)` or `packed check: FAILED (...)` (exit 1). Used b
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -37,6 +42,26 @@ from megatron_gspo.training.routing import RoutingControl
 from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
 
 N, PROMPT, MAX_RESPONSE = 16, 8, 120
+LOGPROB_TOL = 3e-3
+"""Norm-wise relative difference of the old log-probs, packed vs padded, that passes (and the control must exceed)."""
+
+
+def one_segment(micro: list) -> list:
+    """The packed micro-batches with each pack declared as a single sequence (cross-sequence attention); positions
+    and everything else unchanged."""
+    out = []
+    for mb in micro:
+        p = mb.inputs.packed_seq_params
+        total = int(p.cu_seqlens_q[-1])
+        cu = torch.tensor([0, total], dtype=p.cu_seqlens_q.dtype, device=p.cu_seqlens_q.device)
+        fields = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=total, max_seqlen_kv=total)
+        if p.cu_seqlens_q_padded is not None:
+            fields.update(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+        if hasattr(p, "cu_seqlens_host"):  # the local spec's packed attention (models/attention.py)
+            fields.update(cu_seqlens_host=(0, total), _blocks=None, _masks={})
+        params = dataclasses.replace(p, **fields)
+        out.append(dataclasses.replace(mb, inputs=dataclasses.replace(mb.inputs, packed_seq_params=params)))
+    return out
 
 
 def main() -> int:
@@ -66,6 +91,7 @@ def main() -> int:
         batch = batch.to(device)
         loss_fn = make_policy_loss(PolicyLossConfig(algorithm="gspo", clip_low=0.99, clip_high=100.0))
         results = {}
+        control = None
         for layout, path in (("padded", "logits"), ("packed", "fused")):
             batcher = MicroBatcher.for_model(model.config, layout=layout, micro_batch_size=4)
             groups = batcher.plan(batch)
@@ -80,6 +106,15 @@ def main() -> int:
                     if not isinstance(p.max_seqlen_q, int):
                         problems.append(f"max_seqlen_q is {type(p.max_seqlen_q).__name__}, not a Python int")
             length, mbs = schedule_shape(micro)
+            if layout == "packed":  # the negative control first: the recorded routes are then the real packs'
+                with routing.old_policy_pass(None, batch), torch.no_grad():
+                    outs = forward_backward(chunks, one_segment(micro),
+                                            logprob_forward_step(cfg.vocab_size, 1.0, routing.before_forward,
+                                                                 logprob_path=path),
+                                            seq_length=length, micro_batch_size=mbs, forward_only=True)
+                control = torch.zeros(N, PROMPT + MAX_RESPONSE, device=device)
+                control[torch.tensor([i for g in groups for i in g], device=device)] = torch.cat(
+                    [o["token_logprobs"] for o in outs])
             with routing.old_policy_pass(None, batch), torch.no_grad():
                 outs = forward_backward(chunks, micro, logprob_forward_step(cfg.vocab_size, 1.0,
                                                                             routing.before_forward,
@@ -100,9 +135,13 @@ def main() -> int:
         (old_ref, g_ref, _), (old_pk, g_pk, ratio_pk) = results["padded"], results["packed"]
         mask = batch.loss_mask_NS
         lp_err = float((old_pk - old_ref)[mask].norm() / old_ref[mask].norm())
+        control_err = float((control - old_ref)[mask].norm() / old_ref[mask].norm())
         g_err = float((g_pk - g_ref).norm() / g_ref.norm())
-        if not lp_err < 0.02:
-            problems.append(f"old log-probs packed vs padded differ by {lp_err:.3g} (norm-wise)")
+        if not lp_err < LOGPROB_TOL:
+            problems.append(f"old log-probs packed vs padded differ by {lp_err:.3g} (norm-wise; tolerance {LOGPROB_TOL:g})")
+        if not control_err >= LOGPROB_TOL:
+            problems.append(f"the negative control (one segment per pack: cross-sequence attention) differs by only "
+                            f"{control_err:.3g} < {LOGPROB_TOL:g}: the check cannot tell packing bugs apart")
         if not 0.9 < ratio_pk < 1.1:
             problems.append(f"packed sequence ratio {ratio_pk} (old log-probs were shifted by 0.01 per token)")
         if not g_err < 0.1 or not torch.isfinite(g_pk).all():
@@ -110,7 +149,8 @@ def main() -> int:
         ok, grad_norm, _ = optimizer.step()
         if not ok or grad_norm is None or not torch.isfinite(torch.tensor(grad_norm)):
             problems.append(f"the optimizer step after the packed update failed (grad norm {grad_norm})")
-        detail = (f"{spec} spec on {device}, old log-prob error {lp_err:.2e}, gradient error {g_err:.2e}, "
+        detail = (f"{spec} spec on {device}, old log-prob error {lp_err:.2e} (tolerance {LOGPROB_TOL:g}), "
+                  f"negative control error {control_err:.2e} (must exceed it), gradient error {g_err:.2e}, "
                   f"grad norm {grad_norm}")
         if problems:
             print(f"packed check: FAILED ({detail}): " + "; ".join(problems))

@@ -19,7 +19,9 @@ checkpoint has two of them (model/ and optimizer/); `AsyncWrites` runs them as o
 megatron's writer forks one process per file and waits for each to mark its task done; one that dies without it
 (SIGKILLed by the kernel's OOM killer while it copies its file) leaves the writer waiting forever. `finish`
 watches for that: it kills such a writer, and the checkpoint fails on every rank naming the signal (as it does
-for a writer that was itself killed), instead of the run hanging at its next wait.
+for a writer that was itself killed), instead of the run hanging at its next wait. A writer that neither ends nor
+loses a process -- deadlocked, or stopped (SIGSTOP) -- shows no such sign: with a `timeout_s`, `finish` kills the
+writer still running that long after its start, and the checkpoint fails the same way, naming the timeout.
 
 One writer process, parts in order, because megatron's writers report their results through one shared queue per
 process (`filesystem_async._results_queue`) that each part's finalize reads in turn: two writers in flight at once
@@ -139,7 +141,12 @@ def _is_deferred(fn) -> bool:
 class AsyncWrites:
     """The checkpoint write in flight on this rank (at most one), on megatron's AsyncCallsQueue."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"checkpoint writer timeout_s={timeout_s!r} must be > 0 (or None: no limit)")
+        self.timeout_s = timeout_s
+        """Seconds a writer may run after `start` before `finish` kills it (None: no limit)."""
+        self._started: float | None = None
         self._queue = None
         self._staged: _Staged | None = None
         self._deferred: list[DeferredFailures] = []
@@ -157,6 +164,7 @@ class AsyncWrites:
             raise RuntimeError("a checkpoint write is still in flight: finish it first")
         request, self._staged, self._deferred = merged_request(requests)
         self._queue = self._queue or AsyncCallsQueue(persistent=False)
+        self._started = time.monotonic()
         self._queue.schedule_async_request(request)
 
     def finish(self, blocking: bool) -> bool:
@@ -186,7 +194,8 @@ class AsyncWrites:
     def _watch_writer(self, blocking: bool) -> str | None:
         """Why this rank's writer will never report (None: it may). Kills a writer whose per-file process died
         without finishing (megatron's writer would wait for it forever); with `blocking`, watches until the
-        writer has exited, so that megatron's join afterwards returns."""
+        writer has exited, so that megatron's join afterwards returns. A writer still running `timeout_s` after
+        its start is killed too (a deadlock shows no other sign; megatron's join would wait for it forever)."""
         calls = list(self._queue.async_calls)
         process = getattr(calls[-1].async_caller, "process", None) if calls else None
         if process is None or process.pid is None:
@@ -196,12 +205,21 @@ class AsyncWrites:
             if dead is not None:
                 self._kill(calls[-1])
                 return f"a checkpoint file writer process (pid {dead[0]}) {dead[1]}: its writer was stopped"
+            if self._overdue():
+                self._kill(calls[-1])
+                return (f"the checkpoint writer process (pid {process.pid}) did not finish within {self.timeout_s:g} s "
+                        "of its start (deadlocked or stopped?): it was killed; trainer.async_save_timeout_s sets "
+                        "the limit")
             if not blocking:
                 return None
             time.sleep(0.2)
         if process.exitcode is not None and process.exitcode < 0:
             return f"the checkpoint writer process (pid {process.pid}) {_ended(-process.exitcode)}"
         return None
+
+    def _overdue(self) -> bool:
+        return (self.timeout_s is not None and self._started is not None
+                and time.monotonic() - self._started > self.timeout_s)
 
     def abort(self) -> None:
         """Kills this rank's writer process (no collective) and forgets the request; results it may have reported
@@ -239,6 +257,7 @@ class AsyncWrites:
             filesystem_async._results_queue = None
 
     def _release(self) -> None:
+        self._started = None
         self._staged = None
         self._deferred = []
         self._died = None

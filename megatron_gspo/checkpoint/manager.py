@@ -69,12 +69,15 @@ def new_run_id() -> str:
 class CheckpointManager:
     """Saves / finds / prunes trainer checkpoints under `root`, keeping this run's last `keep_last`."""
 
-    def __init__(self, root: Path, keep_last: int = 2, run_id: str | None = None):
+    def __init__(self, root: Path, keep_last: int = 2, run_id: str | None = None,
+                 writer_timeout_s: float | None = None):
+        """`writer_timeout_s`: how long an asynchronous save's writer may run before it is killed and the
+        checkpoint fails on every rank (None: no limit; checkpoint/async_writes.py)."""
         self.root = Path(root)
         self.keep_last = keep_last
         self.run_id = run_id
         self._warned_foreign = False
-        self._writes = AsyncWrites()
+        self._writes = AsyncWrites(writer_timeout_s)
         self._pending: tuple | None = None  # (step, final, tmp, trainer_state text, start time) while in flight
         self._last_bytes: int | None = None  # the size of the last checkpoint this manager completed (rank 0)
 

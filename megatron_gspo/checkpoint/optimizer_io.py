@@ -68,7 +68,7 @@ def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path, *, asyn
     and megatron splits off an expert optimizer for EP > 1 only, so the trainer refuses an EP change for it."""
     require_dist()
     root = Path(path) / OPTIMIZER_DIR
-    _allocate_torch_adam_state(optimizer)  # a checkpoint before the first step
+    _initialise_optimizer_state(optimizer)  # a checkpoint before the first step
     sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=False, metadata=SHARDED_METADATA)
     if _is_distributed(optimizer):
         parts = _parts(sharded, optimizer)
@@ -82,25 +82,32 @@ def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path, *, asyn
     return dist_save(state, str(root), asynchronous=asynchronous)
 
 
-def _allocate_torch_adam_state(optimizer) -> None:
-    """Gives a never-stepped torch Adam / AdamW (megatron's optimizer without apex or TE, e.g. on a CPU) the state
-    a fresh one starts its first step from (zero moments, step 0), before a save or a load.
+def _initialise_optimizer_state(optimizer) -> None:
+    """Gives every never-stepped parameter of each sub-optimizer the state a fresh optimizer starts its first step
+    from (zero moments), before a save or a load: a checkpoint may come before the first step.
 
-    megatron-core 0.16.1's `DistributedOptimizer.sharded_state_dict(is_loading=True)` calls its `state_dict()`,
-    which, without apex / TE, reads Adam's step from the torch optimizer's per-param state and asserts there is one
-    value: a never-stepped optimizer has none. (With TE's FusedAdam the step lives in the param groups.) A load
-    overwrites these values; a first step from them is the first step of a fresh optimizer."""
+    Adam creates its state lazily in `step()` -- torch's Adam / AdamW and TE's / apex's FusedAdam alike -- while
+    megatron-core 0.16.1's DistributedOptimizer save reads `state[main_param]["exp_avg"]` for every param
+    (distrib_optimizer.py `_get_main_param_and_optimizer_states`): KeyError 'exp_avg' before any step. Each
+    sub-optimizer's own `init_state_fn` (megatron's, beside the Adam it built: plain zeros, or TE's
+    `initialize_state` for the precision-aware optimizer) creates exactly what its first step would. torch's Adam
+    also keeps a per-param `step`, which megatron's `state_dict()` reads without apex / TE (one value asserted):
+    step 0 is added for it. A load overwrites these values; a first step from them is a fresh optimizer's."""
     import torch
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        init_state_fn = getattr(opt, "init_state_fn", None)
+        if inner is None or init_state_fn is None:  # SGD without momentum: no state
             continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+        params = [p for group in inner.param_groups for p in group["params"]]
+        fresh = [p for p in params if not inner.state.get(p)]
+        if not fresh:
+            continue
+        init_state_fn(inner, opt.config)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for p in fresh:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
 
 
 def load_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None:
@@ -113,7 +120,7 @@ def load_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None:
     if not (root / "metadata.json").is_file():
         raise ValueError(f"optimizer checkpoint {root} is missing (no metadata.json)")
     distributed = _is_distributed(optimizer)
-    _allocate_torch_adam_state(optimizer)
+    _initialise_optimizer_state(optimizer)
     try:
         with quiet_dcp():
             sharded = optimizer.sharded_state_dict(

@@ -13,12 +13,13 @@ grid axes 1 and 2 overflow at 65535):
 - `_segment_sums_kernel`: one program per sequence, summing the masked token log-probs and counting the
   selected tokens of [cu_seqlens[b], cu_seqlens[b+1]) in a fixed order: deterministic, no atomics.
 
-Block size and warps of the two row kernels are autotuned (`triton.autotune` keyed on the vocab width V and,
-by triton's rule, the tensor dtypes; configs `ROW_CONFIGS`, pruned to blocks <= next_power_of_2(V)). Only the
-statistics kernel is benchmarked: it never writes its input, whereas benchmarking the in-place d logits kernel
-would need a copy of the whole [N, V] input (`restore_value`). The d logits kernel, a row pass over the same
-shape that runs after the forward, takes the configuration the statistics kernel chose for the same (V, dtype).
-In the interpreter (TRITON_INTERPRET=1) nothing is benchmarked: the widest block that fits V.
+Block size and warps of the two row kernels are a fixed function of the vocab width V (`row_config`, one entry
+of `ROW_CONFIGS` per width range), the same compiled or interpreted, for both kernels and in every run. Not
+autotuned: the block sets how each row's lanes split the columns, hence the order of the log-sum-exp's
+additions, so a block chosen by timing changed the bits of the log-probs from run to run (and across the TP
+ranks of one run); and a width is tuned once per distinct value -- a run meets hundreds (vocab chunks of the
+fused LM head, packed micro-batch shapes) -- while the other TP ranks wait in the next collective. The row pass
+is memory bound: past a few thousand columns the block changes its time by a few percent.
 
 Rows whose `active` flag is 0 (masked tokens) are skipped in the forward (their lse and target logit are 0).
 Offsets are int64: row * stride exceeds int32 at N=16384, V=151936 (2.49e9 elements) -- `program_id` is cast
@@ -57,25 +58,23 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 _SUM = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 
-ROW_CONFIGS = tuple(
-    triton.Config({"BLOCK_V": block}, num_warps=warps)
-    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
+ROW_CONFIGS = (
+    # (widest V of the range, BLOCK_V, num_warps)
+    (1024, 1024, 4),
+    (4096, 2048, 4),
+    (16384, 4096, 8),
+    (None, 8192, 16),
 )
-"""Autotuning space of the row kernels: a row pass is memory bound, so the choice trades the number of loop
-iterations (and of in-flight loads) against registers per thread (BLOCK_V / (32 * num_warps) lanes each)."""
-_DEFAULT_BLOCK_V = 4096
+"""The row kernels' configuration per vocab-width range, narrowest first: a block no wider than the rows need
+(at least 1024), and registers per thread (BLOCK_V / (32 * num_warps) lanes) kept at 8-16."""
 
 
-def _fitting_configs(V: int) -> list:
-    """ROW_CONFIGS whose block is no wider than V rounded up to a power of two (at least the narrowest one)."""
-    widest = max(triton.next_power_of_2(V), ROW_CONFIGS[0].kwargs["BLOCK_V"])
-    return [c for c in ROW_CONFIGS if c.kwargs["BLOCK_V"] <= widest]
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """`early_config_prune`: the configs that fit V."""
-    del configs, kwargs
-    return _fitting_configs(int(named_args["V"]))
+def row_config(V: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the row kernels for rows of V columns: a pure function of V (`ROW_CONFIGS`)."""
+    for widest, block, warps in ROW_CONFIGS:
+        if widest is None or V <= widest:
+            return block, warps
+    raise AssertionError("ROW_CONFIGS ends with an open range")
 
 
 def _row_stats_kernel(
@@ -178,20 +177,13 @@ def _segment_sums_kernel(
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
-    """The jitted kernels for one interpreter mode (`triton.jit` reads the mode when it wraps a function).
-
-    `row_stats` is the autotuned launcher; `row_stats_jit` / `dlogits` take BLOCK_V and num_warps explicitly.
-    """
+    """The jitted kernels for one interpreter mode (`triton.jit` reads the mode when it wraps a function); the
+    row kernels take BLOCK_V and num_warps at launch (`row_config`)."""
     del interpret  # the cache key; triton.jit reads triton.knobs.runtime.interpret itself
-    row_stats_jit = triton.jit(_row_stats_kernel)
     return SimpleNamespace(
-        row_stats=triton.autotune(
-            configs=list(ROW_CONFIGS), key=["V"], prune_configs_by={"early_config_prune": _prune_configs}
-        )(row_stats_jit),
-        row_stats_jit=row_stats_jit,
+        row_stats=triton.jit(_row_stats_kernel),
         dlogits=triton.jit(_dlogits_kernel),
         segment_sums=triton.jit(_segment_sums_kernel),
-        tuned={},  # (V, logits dtype) -> the Config the row-stats autotuner chose
     )
 
 
@@ -206,16 +198,9 @@ def _check_block(block_v: int) -> int:
 
 
 def _num_warps(block_v: int) -> int:
-    return 16 if block_v >= 4096 else 8 if block_v >= 1024 else 4
-
-
-def _row_config(kernels: SimpleNamespace, V: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for the d logits kernel: the row-stats choice for (V, dtype), else a default."""
-    config = kernels.tuned.get((V, dtype))
-    if config is not None:
-        return config.kwargs["BLOCK_V"], config.num_warps
-    block = min(_DEFAULT_BLOCK_V, _fitting_configs(V)[-1].kwargs["BLOCK_V"])
-    return block, _num_warps(block)
+    """The warps of an explicitly chosen block: those of the widest ROW_CONFIGS entry with a block <= it."""
+    fitting = [warps for _, block, warps in ROW_CONFIGS if block <= block_v]
+    return fitting[-1] if fitting else ROW_CONFIGS[0][2]
 
 
 def row_stats(
@@ -231,7 +216,7 @@ def row_stats(
 
     `logits_NV` may be any float dtype with unit stride along V; `active_N` is a uint8 flag per row. Returns
     two fp32 [N] tensors. The target logit is 0 where the target id is outside [vocab_start, vocab_start + V).
-    `block_v` fixes the block (num_warps follows from it) instead of the autotuned choice.
+    `block_v` fixes the block (num_warps follows from it) instead of `row_config(V)`.
     """
     N, V = logits_NV.shape
     lse_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
@@ -239,17 +224,21 @@ def row_stats(
     if N == 0:
         return lse_N, target_logit_N
     kernels = _current_kernels()
-    args = (logits_NV, logits_NV.stride(0), targets_N, active_N, lse_N, target_logit_N, V, vocab_start)
-    if block_v is None and not triton.knobs.runtime.interpret:
-        kernels.row_stats[(N,)](*args, inv_temperature, enable_fp_fusion=_FP_FUSION)
-        kernels.tuned[(V, logits_NV.dtype)] = kernels.row_stats.best_config
-    else:
-        # The interpreter has nothing to benchmark (and triton 3.4's autotuner would time even a single
-        # config): the widest block that fits V.
-        block = _check_block(block_v) if block_v is not None else _fitting_configs(V)[-1].kwargs["BLOCK_V"]
-        kernels.row_stats_jit[(N,)](
-            *args, inv_temperature, BLOCK_V=block, num_warps=_num_warps(block), enable_fp_fusion=_FP_FUSION
-        )
+    block, warps = row_config(V) if block_v is None else (_check_block(block_v), _num_warps(block_v))
+    kernels.row_stats[(N,)](
+        logits_NV,
+        logits_NV.stride(0),
+        targets_N,
+        active_N,
+        lse_N,
+        target_logit_N,
+        V,
+        vocab_start,
+        inv_temperature,
+        BLOCK_V=block,
+        num_warps=warps,
+        enable_fp_fusion=_FP_FUSION,
+    )
     return lse_N, target_logit_N
 
 
@@ -268,17 +257,13 @@ def dlogits(
 
     `lse_N` is the global (all-shard) log-sum-exp saved by the forward; `grad_N` is the folded fp32 upstream
     gradient per token (0 for masked tokens, whose rows are zero-filled without reading the logits).
-    Block and warps: `block_v`, else those the statistics kernel was tuned to for this (V, dtype).
+    Block and warps: `block_v`, else `row_config(V)` (the statistics kernel's).
     """
     N, V = logits_NV.shape
     if N == 0:
         return
     kernels = _current_kernels()
-    if block_v is None:
-        block, warps = _row_config(kernels, V, logits_NV.dtype)
-    else:
-        block = _check_block(block_v)
-        warps = _num_warps(block)
+    block, warps = row_config(V) if block_v is None else (_check_block(block_v), _num_warps(block_v))
     kernels.dlogits[(N,)](
         logits_NV,
         logits_NV.stride(0),

@@ -1,8 +1,7 @@
 """The Triton release the kernels are written against, checked where Triton is first needed.
 
 The kernels and their launchers use `triton.knobs` (the interpreter switch `knobs.runtime.interpret`, read per
-launch), `triton.autotune(..., prune_configs_by={"early_config_prune": ...})` with `Autotuner.best_config`,
-`tl.reduce` with `tl.standard._sum_combine` / `_elementwise_max`, and the `enable_fp_fusion` launch option.
+launch), `tl.reduce` with `tl.standard._sum_combine` / `_elementwise_max`, and the `enable_fp_fusion` launch option.
 `triton.knobs` is the newest of these: MIN_TRITON is the first release that has it (setup.py pins the same
 lower bound). An older Triton fails here with one line naming the fix, not with an AttributeError from
 inside a launch.

@@ -33,6 +33,7 @@ RESUMABLE = {
     "trainer.keep_last": "checkpoints kept",
     "trainer.save_final": "final checkpoint",
     "trainer.async_save": "how checkpoints are written (the same files)",
+    "trainer.async_save_timeout_s": "background checkpoint writer timeout",
     "trainer.progress": "progress bar",
     "trainer.run_dir": "the run directory may have moved",
     "trainer.hang_warning_s": "hang warnings",

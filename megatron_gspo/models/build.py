@@ -5,6 +5,7 @@ This is the one place where our `ModelConfig` becomes megatron's `TransformerCon
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -89,15 +90,37 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
         parallel.data_parallel_size(world_size)
 
 
-def selective_recompute_modules(grouped_gemm: bool) -> list[str]:
+def selective_recompute_modules(use_te: bool) -> list[str]:
     """megatron `recompute_modules` of `model.recompute=selective` for a layer spec.
 
-    Core attention always; the MoE expert activation ("moe_act") only with grouped-GEMM experts (the TE spec):
-    megatron's TransformerConfig rejects "moe_act" without `moe_grouped_gemm`. The local spec's SequentialMLP
-    experts keep their activations ("moe" would recompute the whole MoE layer, token dispatch included: a
-    different trade-off than "selective" stands for).
+    The local spec: core attention (its unfused attention keeps the [s, s] probabilities; its SequentialMLP
+    experts keep their activations: "moe" would recompute the whole MoE layer, token dispatch included, a
+    different trade-off than "selective" stands for). The TE spec: the MoE expert activation ("moe_act", which
+    megatron allows only with its grouped-GEMM experts) and not core attention -- TE's fused attention keeps no
+    [s, s] matrix, so recomputing it buys nothing for a second attention forward (megatron-core 0.16
+    transformer_config.py warns "you have no need to set 'core_attn' to recompute" with TE).
     """
-    return ["core_attn", "moe_act"] if grouped_gemm else ["core_attn"]
+    return ["moe_act"] if use_te else ["core_attn"]
+
+
+def te_fusions(use_te: bool) -> dict:
+    """The fused kernels megatron uses with transformer-engine, all off for the local spec (whose behaviour stays
+    the reference's):
+
+    - apply_rope_fusion: TE's fused RoPE; for packed (THD) input megatron's unfused path splits the sequences by
+      `cu_seqlens` on the host in every layer (a device sync per layer); the fused one takes cu_seqlens as is.
+    - moe_permute_fusion: TE's fused token permute / unpermute in the token dispatcher.
+    - bias_activation_fusion: megatron's fused (bias +) SwiGLU of the experts' and MLPs' fc1 output.
+    - gradient_accumulation_fusion: weight gradients accumulated straight into the fp32 main_grad buffer. TE's
+      layers do it themselves, but the output layer is megatron's ColumnParallelLinear in every spec, which
+      refuses the flag without apex's `fused_weight_gradient_mlp_cuda` (tensor_parallel/layers.py): on only when
+      that extension imports too.
+    """
+    if not use_te:
+        return dict(apply_rope_fusion=False, moe_permute_fusion=False, bias_activation_fusion=False,
+                    gradient_accumulation_fusion=False)
+    return dict(apply_rope_fusion=True, moe_permute_fusion=True, bias_activation_fusion=True,
+                gradient_accumulation_fusion=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
 
 
 def transformer_config(
@@ -134,7 +157,7 @@ def transformer_config(
         calculate_per_token_loss=True,
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
         moe_grouped_gemm=use_te,
-        moe_permute_fusion=False,
+        # Router fusion stays off: it bypasses routing replay (REFERENCE.md §2).
         moe_router_fusion=False,
         moe_enable_routing_replay=options.routing_replay,
         normalization="RMSNorm",
@@ -147,11 +170,9 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=options.init_std,
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **te_fusions(use_te),
         # Same full-matrix init on every rank, then split: initial weights do not depend on the layout.
         use_cpu_initialization=on_cpu,
         tensor_model_parallel_size=parallel.tp,

@@ -24,8 +24,9 @@ Terms (bytes, for the pipeline stage that peaks; `estimate_memory` takes the max
                + P*(2*h + 4*f/x + 2*f/x + 4) with P = Ts*k*x token-expert pairs on the rank (dispatched input,
                SwiGLU input, SwiGLU output, routing prob), times `MemoryAssumptions.moe_imbalance`.
   recompute="selective" is what the trainer gives megatron on the TE spec (models/build.py
-  selective_recompute_modules): recompute_modules ["core_attn", "moe_act"], which drop the softmax statistics and
-  the SwiGLU output (both norm outputs stay: "layernorm" is not asked for). recompute="full" (uniform, 1 layer per checkpoint) keeps only
+  selective_recompute_modules): recompute_modules ["moe_act"], which drops the SwiGLU output (TE's fused attention
+  keeps only its softmax statistics, not worth a second attention forward; both norm outputs stay: "layernorm" is
+  not asked for). recompute="full" (uniform, 1 layer per checkpoint) keeps only
   the layer input 2*Ts*h. Stage j of a 1F1B pipeline holds min(p - j, micro-batches) micro-batches in flight (times
   1 + (p-1)/(p*v) with v interleaved chunks); backward needs one more layer's worth as working memory (two with full
   recompute: the recomputed layer and its gradients). The last stage adds the final-norm input and output.
@@ -50,7 +51,7 @@ from megatron_gspo.planning.params import count_parameters
 
 GiB = 1024**3
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "moe_act")
+SELECTIVE_RECOMPUTE_MODULES = ("moe_act",)
 """megatron recompute_modules of recompute="selective" on the TE spec, as the trainer sets them (a test holds the
 two equal: models/build.py selective_recompute_modules)."""
 RECOMPUTED_BY = {

@@ -170,7 +170,11 @@ class TrainerConfig:
     stop signal writes are waited for. megatron's writers report through a process started with the `spawn`
     method, which imports the main module again: a script that runs the trainer itself must guard its entry
     point with `if __name__ == "__main__":` (the megatron-gspo CLI does). A writer that dies without reporting
-    (an OOM-killed child) makes the next wait block: trainer.hang_warning_s names the `checkpoint` phase."""
+    (an OOM-killed child) fails the checkpoint on every rank."""
+    async_save_timeout_s: float = 1800.0
+    """Seconds a background checkpoint's writer may run (from the save that started it) before it is killed and
+    that checkpoint fails on every rank with one line: a deadlocked or stopped writer shows no other sign, and the
+    wait for it would never end (0: no limit). The 30B recipe's optimizer shards take minutes, not half an hour."""
     progress: bool = True
     """Show a progress bar."""
     hang_warning_s: float = 600.0
@@ -183,6 +187,8 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1")
         if self.ckpt_every < 0:
             raise ValueError(f"trainer.ckpt_every={self.ckpt_every} must be >= 0")
+        if not self.async_save_timeout_s >= 0:
+            raise ValueError(f"trainer.async_save_timeout_s={self.async_save_timeout_s} must be >= 0 (0: no limit)")
         if not self.hang_warning_s >= 0:
             raise ValueError(f"trainer.hang_warning_s={self.hang_warning_s} must be >= 0 (0 disables)")
         if self.batch_layout not in ("packed", "padded"):

@@ -68,7 +68,8 @@ class GSPOTrainer:
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = Path(t.run_dir)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=t.keep_last, run_id=new_run_id())
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=t.keep_last, run_id=new_run_id(),
+                                      writer_timeout_s=t.async_save_timeout_s or None)
         # Before any expensive set-up: a run directory or a resume that is refused costs nothing.
         resume_point = self._resume_point(resume)
         total_optimizer_steps = t.steps * t.minibatches

@@ -85,11 +85,9 @@ def _stats_cases(dtype):
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # the -inf row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "block_v", [None] + sorted({c.kwargs["BLOCK_V"] for c in triton_logprob.ROW_CONFIGS})
-)
+@pytest.mark.parametrize("block_v", [None] + sorted({block for _, block, _ in triton_logprob.ROW_CONFIGS}))
 def test_row_stats_every_config_matches_float64(dtype, block_v):
-    """Every block the autotuner may choose (and the default path) against a float64 log-sum-exp."""
+    """Every block of ROW_CONFIGS (and the default path) against a float64 log-sum-exp."""
     logits, targets, active, V = _stats_cases(dtype)
     lse, target = triton_logprob.row_stats(logits, targets, active, 50, 1 / 0.7, block_v=block_v)
     z = logits.double() / 0.7
@@ -104,14 +102,70 @@ def test_row_stats_every_config_matches_float64(dtype, block_v):
     assert target[5] == 0
 
 
-def test_dlogits_follows_the_tuned_row_config(monkeypatch):
-    """Without block_v the d logits kernel takes the row-stats kernel's config for the same (V, dtype)."""
+class _Launches:
+    """Stands in for the jitted kernels: records (kernel, BLOCK_V, num_warps) of each launch."""
+
+    def __init__(self):
+        self.seen = []
+
+    def kernel(self, name):
+        outer = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: outer.seen.append(
+                    (name, kwargs.get("BLOCK_V"), kwargs.get("num_warps"))
+                )
+
+        return Launcher()
+
+
+# Widths at each range's edges, a Qwen3 vocab shard per TP size, and chunk-like widths in between.
+WIDTHS = [1, 32, 1024, 1025, 3000, 4096, 4097, 16384, 16385, 37984, 75968, 151936]
+
+
+def test_compiled_row_kernels_launch_one_fixed_config_per_width(monkeypatch):
+    """Compiled mode (the GPU's path, its launches recorded here): for every width, the statistics and the d
+    logits kernels launch with row_config(V) -- no autotuner, whose timing-chosen block changed the
+    log-sum-exp's bits between runs -- whatever the dtype, the call order or what ran before; and the config is
+    a step function of the width range."""
+    launches = _Launches()
+    kernels = {name: launches.kernel(name) for name in ("row_stats", "dlogits", "segment_sums")}
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(triton_logprob, "_current_kernels", lambda: SimpleNamespace(**kernels))
+    # The knob reads the variable (setting the knob itself would leave an override behind for later tests).
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for order in (WIDTHS, WIDTHS[::-1]):
+        for V in order:
+            for dtype in (torch.bfloat16, torch.float32):
+                logits = torch.zeros(2, V, dtype=dtype)
+                targets, flags = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.uint8)
+                launches.seen.clear()
+                lse, _ = triton_logprob.row_stats(logits, targets, flags, 0, 1.0)
+                triton_logprob.dlogits(logits, targets, torch.ones(2), lse, 0, 1.0, torch.empty_like(logits))
+                block, warps = triton_logprob.row_config(V)
+                assert launches.seen == [("row_stats", block, warps), ("dlogits", block, warps)], (V, dtype)
+    configs = [triton_logprob.row_config(V) for V in WIDTHS]
+    assert configs[:3] == [(1024, 4)] * 3 and configs[3:6] == [(2048, 4)] * 3
+    assert configs[6:8] == [(4096, 8)] * 2 and configs[8:] == [(8192, 16)] * 4
+
+
+def test_row_stats_bits_repeat_for_a_width():
+    """The same rows give the same bits on every call, with the default config equal to row_config's block."""
+    logits, targets, active = _inputs(N=5, V=3000)
+    first = triton_logprob.row_stats(logits, targets, active, 100, 1.0)
+    again = triton_logprob.row_stats(logits, targets, active, 100, 1.0)
+    explicit = triton_logprob.row_stats(
+        logits, targets, active, 100, 1.0, block_v=triton_logprob.row_config(3000)[0]
+    )
+    for a, b, c in zip(first, again, explicit):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_dlogits_default_config_matches_torch():
+    """Without block_v the d logits kernel runs row_config(V) and matches the torch reference."""
     logits, targets, active = _inputs(V=3000)
-    kernels = triton_logprob._current_kernels()
-    chosen = triton_logprob.ROW_CONFIGS[1]
-    monkeypatch.setitem(kernels.tuned, (3000, torch.float32), chosen)
-    assert triton_logprob._row_config(kernels, 3000, torch.float32) == (2048, chosen.num_warps)
-    assert triton_logprob._row_config(kernels, 3000, torch.bfloat16) == (4096, 16)  # untuned: the default
     lse, _ = row_stats_torch(logits, targets, torch.ones_like(active), 100, 1.0)
     grad = torch.randn(logits.shape[0])
     expected = torch.empty_like(logits)

@@ -13,9 +13,12 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.sh"
 PARTS = (
-    "install", "env", "kernels", "bench", "train-1gpu", "bf16-load", "colocated-memory", "async-save", "train-no-te",
-    "train-2gpu", "device-1gpu", "device-2gpu", "packed", "sglang-sft", "sglang-hf", "sglang-rl", "sglang-r3",
+    "install", "env", "overlap", "packed", "shapes", "kernels", "resume", "colocated-memory", "train-no-te",
+    "bf16-load", "async-save", "device-1gpu", "train-2gpu", "device-2gpu", "sglang-sft", "sglang-hf", "sglang-rl",
+    "sglang-r3",
 )
+PLAN = {"env": 20, "overlap": 60, "packed": 75, "shapes": 120, "kernels": 100, "resume": 110, "colocated-memory": 55}
+"""The 9-minute plan for one H200: its parts, in order, and their caps (seconds)."""
 
 # A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with
 # CUDA, pytest passes, the benchmark prints a row (a failed one for STUB_FAIL=bench), `train` writes one
@@ -27,11 +30,20 @@ fail = os.environ.get("STUB_FAIL", "")
 if args == ["-"]:
     sys.stdin.read()
     print("some import noise")
-    print("2.13.0", "12.8", os.environ.get("STUB_CUDA", "1"), os.environ.get("GPUS_STUB", "1"), "0")
+    print("2.13.0", "12.8", os.environ.get("STUB_CUDA", "1"), os.environ.get("GPUS_STUB", "1"), "0", "2.29.7", "3.9.0",
+          "none")
+elif args and args[0].endswith("gpu_env_check.py"):
+    print("gpu env: PASS nccl: torch 2.13.0, NCCL 2.29.7")
+    if fail == "env":
+        print("gpu env: FAIL triton: Triton finds no libcuda.so")
+        sys.exit(1)
 elif args[:2] == ["-m", "pytest"]:
+    if fail == "pytest":
+        print("1 failed, 1 passed in 3.0s")
+        sys.exit(1)
     print("2 passed in 3.0s")
-elif args and args[0].endswith("bench_logprob.py"):
-    print("| fused | failed: RuntimeError: boom |" if fail == "bench" else "| fused | 0.1 | 0.2 |")
+elif args and args[0].endswith("gpu_shapes_check.py"):
+    print("shapes check: OK (qwen3-30b-a3b x2 layers, fused update 12345 tokens/s)")
 elif any(a.endswith("gpu_device_check.py") for a in args):
     if fail == "device":
         print("device check: FAILED (1 host inputs)")
@@ -53,8 +65,11 @@ elif "megatron_gspo.cli.main" in args or (args[:1] == ["-c"] and "megatron_gspo.
     if cmd == "train":
         run = opts["trainer.run_dir"]
         os.makedirs(run, exist_ok=True)
-        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
-            f.writelines("{{}}\\n" for _ in range(int(opts["trainer.steps"])))
+        path = os.path.join(run, "metrics.jsonl")
+        done = sum(1 for _ in open(path)) if "--resume" in cli and os.path.exists(path) else 0
+        with open(path, "a" if done else "w") as f:
+            f.writelines("{{}}\\n" for _ in range(int(opts["trainer.steps"]) - done))
+        print("checkpoint iter_%07d complete" % int(opts["trainer.steps"]))
 else:
     os.execv(sys.executable, [sys.executable, *args])
 """
@@ -136,6 +151,20 @@ def test_one_gpu_all_parts(smoke, tmp_path):
     table = _table(proc.stdout)
     assert table == {**{p: "PASS" for p in PARTS}, "install": "SKIP", "train-2gpu": "SKIP", "device-2gpu": "SKIP"}
     assert "needs >= 2 GPUs (found 1)" in proc.stdout
+    # The plan: its parts first, in order, each under its cap; the caps fit 9 minutes; a figure per part.
+    launched = [line.split()[1:4:2] for line in proc.stdout.splitlines() if line.startswith("== ")]
+    assert [name for name, _ in launched[:6]] == list(PLAN)[1:]
+    assert [int(limit.rstrip("s):")) for _, limit in launched[:6]] == list(PLAN.values())[1:]
+    assert sum(PLAN.values()) <= 540
+    summary = proc.stdout[proc.stdout.index("gpu_smoke summary"):]
+    assert "NCCL 2.29.7, Triton 3.9.0, TE none" in summary and "12345 tokens/s" in summary
+    assert "packed check: OK" in summary and "2 passed in 3.0s" in summary and "iter_0000003 complete" in summary
+    assert (work / "resume" / "metrics.jsonl").read_text().count("\n") == 3
+    resume = next(line for line in proc.stdout.splitlines() if line.startswith("== resume"))
+    for flag in ("optim.overlap_grad_reduce=true", "optim.overlap_param_gather=true", "trainer.async_save=true",
+                 "trainer.ckpt_every=1", "model.dtype=bf16"):
+        assert flag in resume, flag
+    assert "-m gpu tests/training/test_overlap_fused.py" in proc.stdout
     launched = next(line for line in proc.stdout.splitlines() if line.startswith("== device-1gpu"))
     assert "tools/gpu_device_check.py" in launched and "model.dtype=bf16" in launched
     # One GPU: the server shares it, so weights go through the disk.
@@ -164,15 +193,15 @@ def test_one_gpu_all_parts(smoke, tmp_path):
 def test_failures_and_missing_sglang(smoke, tmp_path):
     run, bindir, _ = smoke
     python = _stub(bindir / "python-stub", STUB_PYTHON)
-    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="bench", GPUS_STUB="2",
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="env", GPUS_STUB="2",
                GPU_SMOKE_DIR=str(tmp_path / "w"))
     assert proc.returncode == 1
     table = _table(proc.stdout)
-    assert table["bench"] == "FAIL" and table["train-1gpu"] == "PASS" and table["train-2gpu"] == "PASS"
+    assert table["env"] == "FAIL" and table["resume"] == "PASS" and table["train-2gpu"] == "PASS"
     assert table["device-1gpu"] == "PASS" and table["device-2gpu"] == "PASS"
     launched = next(line for line in proc.stdout.splitlines() if line.startswith("== device-2gpu"))
     assert "--nproc-per-node=2" in launched and "parallel.tp=2" in launched
-    assert "| failed: RuntimeError: boom" in proc.stdout
+    assert "| gpu env: FAIL triton: Triton finds no libcuda.so" in proc.stdout
     assert all(table[p] == "SKIP" for p in ("sglang-sft", "sglang-hf", "sglang-rl"))
     assert "SGLANG_PYTHON is not set" in proc.stdout
 
@@ -184,7 +213,7 @@ def test_budget_spent_skips(smoke, tmp_path):
                GPU_SMOKE_DIR=str(tmp_path / "w"))
     assert proc.returncode == 0
     table = _table(proc.stdout)
-    assert table["env"] == "PASS" and table["kernels"] == "SKIP" and table["train-1gpu"] == "SKIP"
+    assert table["env"] == "PASS" and table["kernels"] == "SKIP" and table["resume"] == "SKIP"
     assert "time budget spent" in proc.stdout
 
 
@@ -195,7 +224,7 @@ def test_no_te_part_fails_when_the_run_fails(smoke, tmp_path):
                GPU_SMOKE_DIR=str(tmp_path / "w"))
     assert proc.returncode == 1
     table = _table(proc.stdout)
-    assert table["train-no-te"] == "FAIL" and table["train-1gpu"] == "PASS" and table["bf16-load"] == "PASS"
+    assert table["train-no-te"] == "FAIL" and table["resume"] == "PASS" and table["bf16-load"] == "PASS"
 
 
 def test_packed_check_failure_fails_its_part(smoke, tmp_path):
@@ -218,5 +247,32 @@ def test_device_check_failure_fails_its_part(smoke, tmp_path):
                GPU_SMOKE_DIR=str(tmp_path / "w"))
     assert proc.returncode == 1
     table = _table(proc.stdout)
-    assert table["device-1gpu"] == "FAIL" and table["device-2gpu"] == "FAIL" and table["train-1gpu"] == "PASS"
+    assert table["device-1gpu"] == "FAIL" and table["device-2gpu"] == "FAIL" and table["resume"] == "PASS"
     assert "device check: FAILED" in proc.stdout and "gpu_smoke: FAILED" in proc.stdout
+
+
+def test_a_failing_pytest_part_fails_with_its_figure(smoke, tmp_path):
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=True, GPU_SMOKE_SKIP_INSTALL="1", PYTHON=str(python), STUB_FAIL="pytest",
+               GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 1
+    table = _table(proc.stdout)
+    assert table["overlap"] == table["kernels"] == table["colocated-memory"] == "FAIL"
+    assert table["packed"] == table["shapes"] == table["resume"] == "PASS"
+    assert "exit 1; 1 failed, 1 passed in 3.0s" in proc.stdout
+
+
+def test_cpu_dry_mode_runs_the_cpu_forms(smoke, tmp_path):
+    """GPU_SMOKE_CPU=1 on a machine without a GPU: the parts with a CPU form run (no `-m gpu`, the tiny preset for
+    the 30B shapes, fp32), the GPU-only ones are skipped, nothing is installed."""
+    run, bindir, _ = smoke
+    python = _stub(bindir / "python-stub", STUB_PYTHON)
+    proc = run(gpu=False, GPU_SMOKE_CPU="1", PYTHON=str(python), GPU_SMOKE_DIR=str(tmp_path / "w"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = _table(proc.stdout)
+    ran = {"env", "overlap", "packed", "shapes", "kernels", "resume"}
+    assert table == {p: "PASS" if p in ran else "SKIP" for p in PARTS}
+    lines = {line.split()[1]: line for line in proc.stdout.splitlines() if line.startswith("== ")}
+    assert "-m gpu" not in lines["overlap"] and "--preset tiny" in lines["shapes"]
+    assert "model.dtype=bf16" not in lines["resume"] and "CPU dry mode: torch 2.13.0" in proc.stdout

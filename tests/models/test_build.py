@@ -66,8 +66,49 @@ def test_use_te_is_a_run_config_key():
 
 
 def test_selective_recompute_modules_follow_the_spec():
-    assert selective_recompute_modules(grouped_gemm=True) == ["core_attn", "moe_act"]
-    assert selective_recompute_modules(grouped_gemm=False) == ["core_attn"]
+    # TE: no core-attention recompute (its fused attention keeps no [s, s] matrix; megatron warns it is pointless).
+    assert selective_recompute_modules(use_te=True) == ["moe_act"]
+    assert selective_recompute_modules(use_te=False) == ["core_attn"]
+
+
+LOCAL_FUSIONS = dict(apply_rope_fusion=False, moe_permute_fusion=False, bias_activation_fusion=False,
+                     gradient_accumulation_fusion=False, moe_router_fusion=False, masked_softmax_fusion=False)
+
+
+@pytest.fixture
+def pretend_te(monkeypatch):
+    """megatron's TransformerConfig as with transformer-engine installed, as far as its validation looks: the
+    fused RoPE / permutation functions it checks for exist (stand-ins; nothing here runs them)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None, raising=False)
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        monkeypatch.setattr(moe_utils, name, lambda *a, **k: None, raising=False)  # defined only with TE
+
+
+@pytest.mark.parametrize("apex_wgrad", [True, False])
+def test_te_spec_config_turns_the_fusions_on(pretend_te, monkeypatch, apex_wgrad):
+    """With TE: fused RoPE (no per-layer host sync of cu_seqlens for THD), fused MoE permutation, fused SwiGLU,
+    and gradient-accumulation fusion when apex's wgrad extension imports (megatron's output layer refuses it
+    otherwise); router fusion stays off (it bypasses routing replay); selective recompute without core_attn."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if apex_wgrad else None)
+                        if name == "fused_weight_gradient_mlp_cuda" else find_spec(name, *a))
+    cfg = transformer_config(preset("tiny"), ParallelConfig(), BuildOptions(recompute="selective", use_te=True),
+                             use_te=True)
+    assert cfg.apply_rope_fusion and cfg.moe_permute_fusion and cfg.bias_activation_fusion
+    assert cfg.gradient_accumulation_fusion is apex_wgrad
+    assert not cfg.moe_router_fusion and cfg.moe_grouped_gemm
+    assert cfg.recompute_modules == ["moe_act"]
+
+
+def test_local_spec_config_keeps_every_fusion_off():
+    cfg = transformer_config(preset("tiny"), ParallelConfig(), BuildOptions(use_te=False), use_te=False)
+    assert {k: getattr(cfg, k) for k in LOCAL_FUSIONS} == LOCAL_FUSIONS
 
 
 def test_selective_recompute_builds_a_local_spec_config():

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.rollout.server import nccl_versions
 from megatron_gspo.rollout.server.buckets import NamedTensor, iter_buckets
 from megatron_gspo.rollout.server.engine import Exporter, ServerEngine
 from megatron_gspo.rollout.server.errors import RETRYABLE_STATUSES, StaleWeightsError
@@ -213,6 +214,9 @@ class SGLangEngine(ServerEngine):
             self._disk_path = path
         else:
             if self._group is None:
+                # Both sides' NCCL before anything joins (rollout/server/nccl_versions.py): one line, not a hang.
+                await asyncio.to_thread(nccl_versions.preflight, cfg, setting="sglang.weight_sync=distributed",
+                                        file_transports="sglang.weight_sync=disk (or shm)")
                 self._group = await init_update_group(
                     self._post_once,
                     urls,

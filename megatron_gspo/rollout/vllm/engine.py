@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.rollout.server import nccl_versions
 from megatron_gspo.rollout.server.buckets import NamedTensor, dtype_name, iter_buckets, with_last
 from megatron_gspo.rollout.server.concurrency import all_or_first_error, in_daemon_thread
 from megatron_gspo.rollout.server.engine import Exporter, ServerEngine, drain
@@ -242,6 +243,9 @@ class VLLMEngine(ServerEngine):
                 if torch.cuda.is_available()
                 else torch.device("cpu")
             )
+            # Both sides' NCCL before anything joins (rollout/server/nccl_versions.py): one line, not a hang.
+            await asyncio.to_thread(nccl_versions.preflight, cfg, setting="vllm.weight_transport=nccl",
+                                    file_transports="vllm.weight_transport=shm (or disk)")
             sender = NcclWeightSender(1 + cfg.tp_size * len(self.server_urls), device)
             inits = [
                 asyncio.ensure_future(
