@@ -42,9 +42,10 @@ import psutil
 import torch.distributed as dist
 
 
-def _write_parts(parts: list, trainer_pid: int, rank: int, staged: list, _unused) -> None:
-    """The writer process: each part's own write function on the tensors staged for it, in order. It and the
-    per-file processes megatron forks from it die with their parent (`_die_with_parent`)."""
+def _write_parts(parts: list, trainer_pid: int, after, rank: int, staged: list, _unused) -> None:
+    """The writer process: each part's own write function on the tensors staged for it, in order, then `after()`
+    (the integrity record of the files written). It and the per-file processes megatron forks from it die with
+    their parent (`_die_with_parent`)."""
     _die_with_parent(trainer_pid)
     writer_pid = os.getpid()
     os.register_at_fork(after_in_child=lambda: _die_with_parent(writer_pid))
@@ -52,6 +53,8 @@ def _write_parts(parts: list, trainer_pid: int, rank: int, staged: list, _unused
         args = list(request.async_fn_args)
         args[1] = buckets  # megatron's convention: argument 1 is the write buckets the staging returns
         request.async_fn(*args, **request.async_fn_kwargs)
+    if after is not None:
+        after()
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -115,9 +118,10 @@ class DeferredFailures:
             raise self.errors[0]
 
 
-def merged_request(requests: list):
-    """One AsyncRequest doing what `requests` (dist_io.dist_save's) do, in order, its staging held (`_Staged`),
-    and the DeferredFailures of the parts (None entries: parts written synchronously)."""
+def merged_request(requests: list, after=None):
+    """One AsyncRequest doing what `requests` (dist_io.dist_save's) do, in order, then `after()` in the writer
+    process, its staging held (`_Staged`), and the DeferredFailures of the parts (None entries: parts written
+    synchronously). With nothing to write in the background `after()` runs now."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
     requests = [r for r in requests if r is not None]
@@ -125,9 +129,11 @@ def merged_request(requests: list):
     finalize = [fn for r in requests for fn in r.finalize_fns if not _is_deferred(fn)]
     parts = [r for r in requests if r.async_fn is not None]  # a rank with nothing to write in a part has None
     if not parts:
+        if after is not None:
+            after()
         return AsyncRequest(None, (), finalize), None, deferred
     staged = _Staged(parts)
-    write = partial(_write_parts, parts, os.getpid())
+    write = partial(_write_parts, parts, os.getpid(), after)
     request = AsyncRequest(write, (dist.get_rank(), None, None), finalize, preload_fn=staged)
     return request, staged, deferred
 
@@ -149,13 +155,14 @@ class AsyncWrites:
     def pending(self) -> bool:
         return self._queue is not None and self._queue.get_num_unfinalized_calls() > 0
 
-    def start(self, requests: list) -> None:
-        """Stages and forks the writer for `requests` (every rank calls, one request list per checkpoint)."""
+    def start(self, requests: list, after=None) -> None:
+        """Stages and forks the writer for `requests` (every rank calls, one request list per checkpoint); the
+        writer calls `after()` once it wrote them."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         if self.pending:
             raise RuntimeError("a checkpoint write is still in flight: finish it first")
-        request, self._staged, self._deferred = merged_request(requests)
+        request, self._staged, self._deferred = merged_request(requests, after)
         self._queue = self._queue or AsyncCallsQueue(persistent=False)
         self._queue.schedule_async_request(request)
 

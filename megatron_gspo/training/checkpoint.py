@@ -32,6 +32,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.async_writes import AsyncWrites
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
+from megatron_gspo.checkpoint.integrity import record_common_files, record_rank_files
 from megatron_gspo.errors import RankFailed, RunFailure, describe, rank_failures
 
 log = logging.getLogger(__name__)
@@ -159,8 +161,12 @@ class CheckpointManager:
         error = None
         try:
             requests = write_contents(tmp)
+            # Each rank hashes the files it wrote (checkpoint/integrity.py): the background writer does, after
+            # writing them, for an asynchronous save.
             if asynchronous:
-                self._writes.start(requests or [])
+                self._writes.start(requests or [], after=partial(record_rank_files, tmp, rank))
+            else:
+                record_rank_files(tmp, rank)
         except (KeyboardInterrupt, SystemExit):
             self._writes.abort()
             if rank == 0:
@@ -224,6 +230,7 @@ class CheckpointManager:
         """trainer_state.json, fsync of the tree, rename, `latest`, pruning (rank 0; every rank learns the outcome)."""
 
         def finish() -> None:
+            record_common_files(tmp, dist.get_world_size())
             with open(tmp / STATE, "w") as fh:
                 fh.write(state_text)
                 fh.flush()

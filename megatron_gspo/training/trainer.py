@@ -20,6 +20,8 @@ from megatron_gspo.algorithms import (
     make_policy_loss,
     rollout_correction,
 )
+from megatron_gspo.checkpoint.integrity import CheckpointDamaged
+from megatron_gspo.checkpoint.integrity import verify as verify_checkpoint
 from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.errors import RunFailure, StopRequested
@@ -145,9 +147,10 @@ class GSPOTrainer:
             return None
         check_resume_dir(self.run_dir)
         found = self.ckpt.find_latest()
-        if found is None:
-            return None
-        path, state = found
+        return None if found is None else self._checked(*found)
+
+    def _checked(self, path: Path, state: dict) -> tuple[Path, dict]:
+        """(path, state) once this run's config may continue checkpoint `path` (else ValueError)."""
         if state.get("format", 1) < FORMAT:
             raise ValueError(
                 f"{path} was written by an older megatron-gspo (per-rank optimizer files, checkpoint format "
@@ -177,6 +180,7 @@ class GSPOTrainer:
 
     def _resume(self, point: tuple[Path, dict] | None) -> None:
         """Continues from `point`: weights, optimizer, RNG and loop state; the logs are cut back to its step."""
+        point = self._intact(point)
         if point is None:
             log.info("no checkpoint under %s: starting from scratch", self.ckpt.root)
         else:
@@ -196,6 +200,22 @@ class GSPOTrainer:
             last = self.step if point is not None else -1
             for name in ("metrics.jsonl", "eval.jsonl"):
                 trim_log(self.run_dir / name, last)
+
+    def _intact(self, point: tuple[Path, dict] | None) -> tuple[Path, dict] | None:
+        """`point`, or, when one of its files fails the integrity record (checkpoint/integrity.py; all ranks check
+        a share), the newest earlier checkpoint whose files pass, with a warning naming the damaged file, as for a
+        missing `latest`. With none left the damage is the error (CheckpointDamaged, exit 2)."""
+        while point is not None:
+            try:
+                verify_checkpoint(point[0])
+                return point
+            except CheckpointDamaged as err:
+                older = [c for c in self.ckpt.checkpoints() if c[1]["step"] < point[1]["step"]]
+                if not older:
+                    raise
+                log.warning("%s: resuming from the checkpoint before it, %s", err, older[-1][0].name)
+                point = self._checked(*older[-1])
+        return None
 
     # ---- phases -----------------------------------------------------------------------------------------
     def generate(self, items: list[PromptItem], seed: int):
