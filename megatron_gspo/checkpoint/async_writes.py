@@ -30,16 +30,16 @@ for the previous checkpoint before it starts the next).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import signal
-import sys
 import time
 from functools import partial
 
 import psutil
 import torch.distributed as dist
+
+from megatron_gspo.process_tree import die_with_parent as _die_with_parent
 
 
 def _write_parts(parts: list, trainer_pid: int, after, rank: int, staged: list, _unused) -> None:
@@ -57,21 +57,24 @@ def _write_parts(parts: list, trainer_pid: int, after, rank: int, staged: list, 
         after()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel SIGKILLs this process when its parent exits (prctl PR_SET_PDEATHSIG; strictly, when the
-    thread that forked it does: the trainer's and the writer's main threads), and it exits now if the parent is
-    already gone. A writer outliving its rank (SIGKILLed, OOM-killed) would go on writing into a checkpoint
-    directory nobody will complete; a per-file process outliving its writer waits forever for a queue item the
-    writer never sent, holding the job's stdout open. Elsewhere a no-op (abort still kills them)."""
-    if not sys.platform.startswith("linux"):
+
+
+def results_queue_dying_with_us() -> None:
+    """Creates megatron's per-process queue of writer results (`filesystem_async._results_queue`) before megatron
+    does, served by a manager process that dies with this one. megatron starts a plain `Manager()` (spawned), which
+    outlives a SIGKILLed trainer, reparented to init; so does the multiprocessing resource tracker, whose pipe the
+    manager holds open: both kept the job's stdout / stderr open (a `| tee` never saw EOF). Once the manager dies
+    with the trainer, the tracker reads EOF and exits too."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(_die_with_parent, (os.getpid(),))  # process_tree: stdlib only, no torch in the manager
+    filesystem_async._results_queue = manager.Queue()
 
 
 def _stage_parts(parts: list) -> list:
