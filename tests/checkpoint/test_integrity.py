@@ -28,6 +28,21 @@ def overwrite_middle(path: Path, byte: int, n: int = 4096) -> None:
     path.write_bytes(bytes(data))
 
 
+def overwrite_tensor_bytes(shard: Path, byte: int, n: int = 4096) -> None:
+    """Writes n copies of `byte` into the middle of the largest tensor's bytes in the DCP file `shard` (its size
+    unchanged): the tensor data, not the serialization around it, which torch would find damaged by itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    items = [i for i in FileSystemReader(str(shard.parent)).read_metadata().storage_data.values()
+             if i.relative_path == shard.name]
+    largest = max(items, key=lambda i: i.length)
+    assert largest.length > 4 * n, largest
+    data = bytearray(shard.read_bytes())
+    start = largest.offset + largest.length // 2
+    data[start : start + n] = bytes([byte]) * n
+    shard.write_bytes(bytes(data))
+
+
 def _two_rank_checkpoint(root: Path) -> Path:
     """A directory laid out like a trainer checkpoint of two ranks, recorded as the trainer records it."""
     for rank in (0, 1):

@@ -36,6 +36,11 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_pa
         assert out["latest"] == "iter_0000001"
         # The resumed state is the state at the save, not the one the update during the write made.
         assert _same(out["resumed"], out["saved"])
+        # Each rank's files were hashed once, after they were written, by its background writer (not the trainer).
+        assert len(out["hashed_by"]) == 1 and out["hashed_by"] != [out["pid"]]
+        rank = outs.index(out)
+        assert f"rng/rank_{rank:05d}.pt" in out["record"]
+        assert any(f.startswith(f"model/__{rank}_") for f in out["record"]), out["record"]
         assert _moved(out["after"]["weights"], out["saved"]["weights"])
         for key in ("param", "exp_avg", "exp_avg_sq"):  # fp32 masters and moments
             assert _moved(out["after"]["optimizer"][key], out["saved"]["optimizer"][key]), key

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_integrity import overwrite_middle
+from tests.checkpoint.test_integrity import overwrite_tensor_bytes
 from tests.training.test_end_to_end import MINI, ROOT, _env
 
 TRAIN = ["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI]
@@ -141,13 +141,14 @@ def test_damaged_checkpoint_files_are_one_line_in_train_convert_and_model_load(r
 
 @pytest.mark.parametrize("byte", [0x00, 0xFF])
 def test_changed_bytes_in_model_and_optimizer_shards_are_refused_and_resume_falls_back(run, tmp_path, byte):
-    """4 KiB of zeros or 0xff inside a shard (its size unchanged): every load names the file in one line, exit 2;
+    """4 KiB of zeros or 0xff inside a shard's tensor data (its size unchanged; before the integrity record, zeros
+    loaded and trained silently): every load names the file in one line, exit 2;
     --resume falls back to the newest checkpoint whose files are intact, warning about each damaged one."""
     ckpts = run / "checkpoints"
     model_shard = ckpts / "iter_0000003" / "model" / "__0_0.distcp"
     optimizer_shard = ckpts / "iter_0000002" / "optimizer" / "__0_0.distcp"
-    overwrite_middle(model_shard, byte)
-    overwrite_middle(optimizer_shard, byte)
+    overwrite_tensor_bytes(model_shard, byte)
+    overwrite_tensor_bytes(optimizer_shard, byte)
     damaged = "is damaged: its bytes changed"
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={tmp_path / 'new'}", f"model.load={ckpts / 'iter_0000003'}",
                                 ok=False))
