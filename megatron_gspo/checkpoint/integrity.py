@@ -109,10 +109,11 @@ def rank_record_name(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def record_rank_files(root: Path, rank: int) -> None:
+def record_rank_files(root: Path, rank: int, *, in_background: bool = False) -> None:
     """Writes `integrity/rank_<rank>.json` for the files rank `rank` wrote under `root` (after they are written: in
-    the background writer process for an asynchronous save). Never raises: a failure is recorded in place of the
-    files, and rank 0 names it when it completes the checkpoint (`record_common_files`)."""
+    the background writer process for an asynchronous save). A failure to read or hash them is recorded in place
+    of the files, and rank 0 names it when it completes the checkpoint (`record_common_files`). A failure to write
+    the record itself (a full disk) raises OSError, or `in_background` is logged (rank 0 then finds no record)."""
     try:
         mine = [rel for rel in _files_under(root) if owned_by_rank(rel, rank)]
         record = {"algorithm": ALGORITHM, "files": hash_files(root, mine)}
@@ -120,7 +121,9 @@ def record_rank_files(root: Path, rank: int) -> None:
         record = {"algorithm": ALGORITHM, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
     try:
         _write_json(root / RECORD_DIR / rank_record_name(rank), record)
-    except OSError as err:  # the missing record is reported at completion
+    except OSError as err:
+        if not in_background:
+            raise
         log.error("rank %d: cannot write its integrity record under %s: %s", rank, root, err)
 
 

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import CheckpointException
 from megatron_gspo.checkpoint import integrity
 from megatron_gspo.checkpoint.dist_io import dist_save, quiet_dcp, rank0, require_dist
 from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
-from megatron_gspo.errors import describe
+from megatron_gspo.errors import RunFailure, describe
 from megatron_gspo.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -298,8 +298,7 @@ def save_model_checkpoint(
     try:
         rank0(lambda: tmp.mkdir(parents=True), f"creating {tmp}")
         write_model_checkpoint(chunks, tmp, model_config, metadata=metadata)
-        integrity.record_rank_files(tmp, dist.get_rank())  # never raises: rank 0 names a rank that failed
-        dist.barrier()
+        _record_on_every_rank(tmp)
         rank0(lambda: integrity.record_common_files(tmp, dist.get_world_size()), f"recording {tmp}")
         rank0(lambda: replace_dir(tmp, final), f"moving {tmp} to {final}")
     except BaseException:
@@ -307,6 +306,22 @@ def save_model_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _record_on_every_rank(tmp: Path) -> None:
+    """Each rank records the files it wrote (checkpoint/integrity.py); every rank raises if any rank could not."""
+    error = None
+    try:
+        integrity.record_rank_files(tmp, dist.get_rank())
+    except OSError as err:  # a full disk
+        error = f"rank {dist.get_rank()}: {describe(err)}"
+    everyone = [error]
+    if dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+    failed = [e for e in everyone if e is not None]
+    if failed:
+        raise RunFailure(f"integrity record of {tmp} not written: {failed[0]}")
 
 
 # ---------------------------------------------------------------------------------------------------------

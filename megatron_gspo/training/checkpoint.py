@@ -164,7 +164,7 @@ class CheckpointManager:
             # Each rank hashes the files it wrote (checkpoint/integrity.py): the background writer does, after
             # writing them, for an asynchronous save.
             if asynchronous:
-                self._writes.start(requests or [], after=partial(record_rank_files, tmp, rank))
+                self._writes.start(requests or [], after=partial(record_rank_files, tmp, rank, in_background=True))
             else:
                 record_rank_files(tmp, rank)
         except (KeyboardInterrupt, SystemExit):
