@@ -87,10 +87,10 @@ def hashing_pids(path: Path):
 
     original = manager.record_rank_files
 
-    def record(root, rank):
+    def record(root, rank, **kwargs):
         with open(path, "a") as fh:
             fh.write(f"{os.getpid()}\n")
-        original(root, rank)
+        original(root, rank, **kwargs)
 
     manager.record_rank_files = record
     try:
