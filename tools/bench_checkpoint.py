@@ -8,6 +8,9 @@ Adam moments = 16 bytes per parameter on disk) and writes checkpoints through th
   async  `checkpoint(background=True)` with trainer.async_save=true: blocked = until it returns (planning,
          common files, staging, fork of megatron's writer); complete = until `wait()` has renamed it (the writes
          and the metadata, what a step boundary's `poll` would finish)
+Both include the integrity record (checkpoint/integrity.py): the sync save hashes its files inline, the async one
+in its background writer. `hash s` is that hashing alone, timed again on the last checkpoint's files (CRC-32, the
+record's threads; files in the page cache, as right after a save), with its throughput.
 The variants take turns for `--rounds` rounds and each keeps its best time (the machine's load drifts). Prints a
 table and the ratio of the blocked times measured in the same run; asserts nothing. Usage:
   python tools/bench_checkpoint.py                 # CPU defaults (check `uptime`: the cores are shared)
@@ -29,6 +32,7 @@ from bench_worker import gib, run_worker  # tools/ is sys.path[0] when this runs
 def _worker(args) -> dict:
     import torch
 
+    from megatron_gspo.checkpoint.integrity import hash_files
     from megatron_gspo.training.config import load_run_config
     from megatron_gspo.training.trainer import GSPOTrainer
 
@@ -57,9 +61,16 @@ def _worker(args) -> dict:
             complete = time.perf_counter() - start
             best_blocked, best_complete = min(best_blocked, blocked), min(best_complete, complete)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        files = [f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file()]
+        best_hash = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            hash_files(path, files)
+            best_hash = min(best_hash, time.perf_counter() - start)
     finally:
         trainer.close()
-    return dict(variant=args.worker, params=params, bytes=size, blocked=best_blocked, complete=best_complete)
+    return dict(variant=args.worker, params=params, bytes=size, blocked=best_blocked, complete=best_complete,
+                hashed=best_hash)
 
 
 def main() -> None:
@@ -91,10 +102,12 @@ def main() -> None:
                 kept = best.get(variant)
                 if kept is None or out["blocked"] < kept["blocked"]:
                     best[variant] = out
-    print(f"{'variant':8} {'params':>8} {'ckpt GiB':>9} {'blocked s':>10} {'complete s':>11}")
+    print(f"{'variant':8} {'params':>8} {'ckpt GiB':>9} {'blocked s':>10} {'complete s':>11} {'hash s':>7} "
+          f"{'hash GB/s':>9} {'hash / complete':>15}")
     for variant, out in best.items():
         print(f"{variant:8} {out['params'] / 1e6:7.1f}M {gib(out['bytes']):>9} {out['blocked']:10.2f} "
-              f"{out['complete']:11.2f}")
+              f"{out['complete']:11.2f} {out['hashed']:7.3f} {out['bytes'] / out['hashed'] / 1e9:9.2f} "
+              f"{out['hashed'] / out['complete']:15.1%}")
     if "sync" in best and "async" in best:
         print(f"async / sync blocked time: x{best['async']['blocked'] / best['sync']['blocked']:.2f}")
 

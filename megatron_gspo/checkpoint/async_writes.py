@@ -32,21 +32,22 @@ for the previous checkpoint before it starts the next).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import signal
-import sys
 import time
 from functools import partial
 
 import psutil
 import torch.distributed as dist
 
+from megatron_gspo.process_tree import die_with_parent as _die_with_parent
 
-def _write_parts(parts: list, trainer_pid: int, rank: int, staged: list, _unused) -> None:
-    """The writer process: each part's own write function on the tensors staged for it, in order. It and the
-    per-file processes megatron forks from it die with their parent (`_die_with_parent`)."""
+
+def _write_parts(parts: list, trainer_pid: int, after, rank: int, staged: list, _unused) -> None:
+    """The writer process: each part's own write function on the tensors staged for it, in order, then `after()`
+    (the integrity record of the files written). It and the per-file processes megatron forks from it die with
+    their parent (`_die_with_parent`)."""
     _die_with_parent(trainer_pid)
     writer_pid = os.getpid()
     os.register_at_fork(after_in_child=lambda: _die_with_parent(writer_pid))
@@ -54,23 +55,28 @@ def _write_parts(parts: list, trainer_pid: int, rank: int, staged: list, _unused
         args = list(request.async_fn_args)
         args[1] = buckets  # megatron's convention: argument 1 is the write buckets the staging returns
         request.async_fn(*args, **request.async_fn_kwargs)
+    if after is not None:
+        after()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel SIGKILLs this process when its parent exits (prctl PR_SET_PDEATHSIG; strictly, when the
-    thread that forked it does: the trainer's and the writer's main threads), and it exits now if the parent is
-    already gone. A writer outliving its rank (SIGKILLed, OOM-killed) would go on writing into a checkpoint
-    directory nobody will complete; a per-file process outliving its writer waits forever for a queue item the
-    writer never sent, holding the job's stdout open. Elsewhere a no-op (abort still kills them)."""
-    if not sys.platform.startswith("linux"):
+
+
+def results_queue_dying_with_us() -> None:
+    """Creates megatron's per-process queue of writer results (`filesystem_async._results_queue`) before megatron
+    does, served by a manager process that dies with this one. megatron starts a plain `Manager()` (spawned), which
+    outlives a SIGKILLed trainer, reparented to init; so does the multiprocessing resource tracker, whose pipe the
+    manager holds open: both kept the job's stdout / stderr open (a `| tee` never saw EOF). Once the manager dies
+    with the trainer, the tracker reads EOF and exits too."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(_die_with_parent, (os.getpid(),))  # process_tree: stdlib only, no torch in the manager
+    filesystem_async._results_queue = manager.Queue()
 
 
 def _stage_parts(parts: list) -> list:
@@ -117,9 +123,10 @@ class DeferredFailures:
             raise self.errors[0]
 
 
-def merged_request(requests: list):
-    """One AsyncRequest doing what `requests` (dist_io.dist_save's) do, in order, its staging held (`_Staged`),
-    and the DeferredFailures of the parts (None entries: parts written synchronously)."""
+def merged_request(requests: list, after=None):
+    """One AsyncRequest doing what `requests` (dist_io.dist_save's) do, in order, then `after()` in the writer
+    process, its staging held (`_Staged`), and the DeferredFailures of the parts (None entries: parts written
+    synchronously). With nothing to write in the background `after()` runs now."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
     requests = [r for r in requests if r is not None]
@@ -127,9 +134,11 @@ def merged_request(requests: list):
     finalize = [fn for r in requests for fn in r.finalize_fns if not _is_deferred(fn)]
     parts = [r for r in requests if r.async_fn is not None]  # a rank with nothing to write in a part has None
     if not parts:
+        if after is not None:
+            after()
         return AsyncRequest(None, (), finalize), None, deferred
     staged = _Staged(parts)
-    write = partial(_write_parts, parts, os.getpid())
+    write = partial(_write_parts, parts, os.getpid(), after)
     request = AsyncRequest(write, (dist.get_rank(), None, None), finalize, preload_fn=staged)
     return request, staged, deferred
 
@@ -156,13 +165,14 @@ class AsyncWrites:
     def pending(self) -> bool:
         return self._queue is not None and self._queue.get_num_unfinalized_calls() > 0
 
-    def start(self, requests: list) -> None:
-        """Stages and forks the writer for `requests` (every rank calls, one request list per checkpoint)."""
+    def start(self, requests: list, after=None) -> None:
+        """Stages and forks the writer for `requests` (every rank calls, one request list per checkpoint); the
+        writer calls `after()` once it wrote them."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         if self.pending:
             raise RuntimeError("a checkpoint write is still in flight: finish it first")
-        request, self._staged, self._deferred = merged_request(requests)
+        request, self._staged, self._deferred = merged_request(requests, after)
         self._queue = self._queue or AsyncCallsQueue(persistent=False)
         self._started = time.monotonic()
         self._queue.schedule_async_request(request)

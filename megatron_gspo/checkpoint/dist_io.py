@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_gspo.checkpoint.async_writes import DeferredFailures
+from megatron_gspo.checkpoint.async_writes import DeferredFailures, results_queue_dying_with_us
 from megatron_gspo.errors import RankFailed, describe
 
 
@@ -68,6 +68,8 @@ def dist_save(state: dict, directory: str, *, asynchronous: bool = False):
     from megatron.core import dist_checkpointing
 
     failures = DeferredFailures()
+    if asynchronous:
+        results_queue_dying_with_us()
     strategy = _async_strategy(failures) if asynchronous else _sync_strategy()
     with quiet_dcp():
         request = dist_checkpointing.save(state, directory, sharded_strategy=strategy, async_sharded_save=True)

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_gspo.checkpoint import integrity
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree
 from megatron_gspo.models.config import ModelConfig
 
@@ -94,9 +95,18 @@ def _read_header(path: Path) -> dict[str, dict]:
             if n > 100 * 1024**2 or n > path.stat().st_size - 8:
                 raise ValueError(f"header length {n} is not plausible")
             header = json.loads(f.read(n))
-    except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        header.pop("__metadata__", None)
+        # safetensors itself finds a short file only when it maps it ("incomplete metadata, file not fully
+        # covered", with no file name): a copy cut short is named here, before any tensor is read.
+        ends = [e["data_offsets"][1] for e in header.values()]
+        size, expected = path.stat().st_size, 8 + n + max(ends, default=0)
+        if size != expected:
+            raise ValueError(f"{size} bytes, but its header describes {expected} "
+                             f"({'truncated: the file was cut short' if size < expected else 'extra bytes at its end'})")
+    except (OSError, ValueError, TypeError, KeyError, IndexError) as err:  # JSONDecodeError is a ValueError
         raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
-    header.pop("__metadata__", None)
     return header
 
 
@@ -120,6 +130,8 @@ class HFCheckpointReader(Mapping):
         self.max_open_shards = max(1, max_open_shards)
         if not self.dir.is_dir():
             raise FileNotFoundError(f"Hugging Face checkpoint directory {self.dir} does not exist")
+        # A directory megatron-gspo wrote carries an integrity record: changed bytes are named before reading.
+        integrity.verify(self.dir, collective=False)
         index = self.dir / INDEX_NAME
         if index.is_file():
             try:
@@ -334,6 +346,7 @@ def write_hf_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for src in tok_files:
             shutil.copy2(src, tmp / src.name)
+        integrity.record_all_files(tmp)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,12 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.async_writes import AsyncWrites
 from megatron_gspo.checkpoint.durable import fsync_path, fsync_tree, write_durably
+from megatron_gspo.checkpoint.integrity import (
+    CheckpointDamaged,
+    record_common_files,
+    record_rank_files,
+    verify,
+)
 from megatron_gspo.errors import RankFailed, RunFailure, describe, rank_failures
 
 log = logging.getLogger(__name__)
@@ -98,6 +105,25 @@ class CheckpointManager:
             return []
         found = [(p, self.read_state(p)) for p in self.root.iterdir() if _ITER_RE.fullmatch(p.name)]
         return sorted(((p, s) for p, s in found if s is not None), key=lambda x: x[1]["step"])
+
+    def intact(
+        self, point: tuple[Path, dict] | None, accept: Callable[[Path, dict], tuple[Path, dict]]
+    ) -> tuple[Path, dict] | None:
+        """`point`, or, when one of its files fails the integrity record (integrity.py; all ranks check a share),
+        the newest earlier checkpoint whose files pass, with a warning naming the damaged file, as for a missing
+        `latest`. Each earlier candidate goes through `accept` (raises when this run may not continue it). With no
+        intact checkpoint left the damage is the error (CheckpointDamaged, exit 2)."""
+        while point is not None:
+            try:
+                verify(point[0])
+                return point
+            except CheckpointDamaged as err:
+                older = [c for c in self.checkpoints() if c[1]["step"] < point[1]["step"]]
+                if not older:
+                    raise
+                log.warning("%s: resuming from the checkpoint before it, %s", err, older[-1][0].name)
+                point = accept(*older[-1])
+        return None
 
     def find_latest(self) -> tuple[Path, dict] | None:
         """The newest complete checkpoint and its trainer state (None when there is none).
@@ -162,8 +188,12 @@ class CheckpointManager:
         error = None
         try:
             requests = write_contents(tmp)
+            # Each rank hashes the files it wrote (checkpoint/integrity.py): the background writer does, after
+            # writing them, for an asynchronous save.
             if asynchronous:
-                self._writes.start(requests or [])
+                self._writes.start(requests or [], after=partial(record_rank_files, tmp, rank, in_background=True))
+            else:
+                record_rank_files(tmp, rank)
         except (KeyboardInterrupt, SystemExit):
             self._writes.abort()
             if rank == 0:
@@ -227,6 +257,7 @@ class CheckpointManager:
         """trainer_state.json, fsync of the tree, rename, `latest`, pruning (rank 0; every rank learns the outcome)."""
 
         def finish() -> None:
+            record_common_files(tmp, dist.get_world_size())
             with open(tmp / STATE, "w") as fh:
                 fh.write(state_text)
                 fh.flush()

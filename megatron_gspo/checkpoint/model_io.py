@@ -38,9 +38,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from megatron_gspo.checkpoint import integrity
 from megatron_gspo.checkpoint.dist_io import dist_save, quiet_dcp, rank0, require_dist
 from megatron_gspo.checkpoint.hf_io import replace_dir, temp_sibling
-from megatron_gspo.errors import describe
+from megatron_gspo.errors import RunFailure, describe
 from megatron_gspo.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,8 @@ def save_model_checkpoint(
     try:
         rank0(lambda: tmp.mkdir(parents=True), f"creating {tmp}")
         write_model_checkpoint(chunks, tmp, model_config, metadata=metadata)
+        _record_on_every_rank(tmp)
+        rank0(lambda: integrity.record_common_files(tmp, dist.get_world_size()), f"recording {tmp}")
         rank0(lambda: replace_dir(tmp, final), f"moving {tmp} to {final}")
     except BaseException:
         if dist.get_rank() == 0:
@@ -305,17 +308,37 @@ def save_model_checkpoint(
     return final
 
 
+def _record_on_every_rank(tmp: Path) -> None:
+    """Each rank records the files it wrote (checkpoint/integrity.py); every rank raises if any rank could not."""
+    error = None
+    try:
+        integrity.record_rank_files(tmp, dist.get_rank())
+    except OSError as err:  # a full disk
+        error = f"rank {dist.get_rank()}: {describe(err)}"
+    everyone = [error]
+    if dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+    failed = [e for e in everyone if e is not None]
+    if failed:
+        raise RunFailure(f"integrity record of {tmp} not written: {failed[0]}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Load
 # ---------------------------------------------------------------------------------------------------------
-def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = True) -> dict[str, Any]:
+def load_model_checkpoint(
+    chunks, path: str | os.PathLike, *, strict: bool = True, verify: bool = True
+) -> dict[str, Any]:
     """Loads a model checkpoint (or trainer iteration dir) into this rank's chunks, resharding to the current layout.
 
     All ranks call. Raises ValueError naming the differing fields when config.json disagrees with the chunks'
     ModelConfig (see `config_differences`), and listing tensors the checkpoint lacks or has in excess (with
     `strict=False` shape fields must still match; routing/RoPE differences and tensors absent from the checkpoint
     are logged, and those parameters keep their values). Returns megatron_gspo.json's contents (also kept as
-    `chunk.checkpoint_info`, see INHERITED_KEYS).
+    `chunk.checkpoint_info`, see INHERITED_KEYS). `verify`: the model's files are first checked against the
+    checkpoint's integrity record (checkpoint/integrity.py; CheckpointDamaged, a ValueError, names a damaged
+    file); a caller that checked the whole checkpoint already passes False.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -323,6 +346,8 @@ def load_model_checkpoint(chunks, path: str | os.PathLike, *, strict: bool = Tru
     require_dist()
     root = resolve_model_checkpoint(path)
     chunks = _unwrap(chunks)
+    if verify:
+        integrity.verify(root, (f"{MODEL_DIR}/", CONFIG_NAME, INFO_NAME))
     info = read_checkpoint_info(root)
     saved = read_model_config(root)
     built = getattr(chunks[0], "model_config", None)

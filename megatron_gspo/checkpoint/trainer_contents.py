@@ -145,7 +145,7 @@ def load_trainer_contents(path: Path, rt, *, same_layout: bool = True) -> None:
     rng = load_rank_file(path / "rng" / f"rank_{rank:05d}.pt") if same_layout else None  # checked first
     # Model first, then the optimizer state, which restores the exact fp32 master weights (megatron's optimizers
     # copy the loaded masters into their main params).
-    rt.load_weights(path)
+    rt.load_weights(path, verify=False)  # the trainer checked the whole checkpoint (integrity.verify)
     load_optimizer_checkpoint(rt.chunks, rt.optimizer, rt.scheduler, path)
     if rng is not None:
         try:

@@ -165,11 +165,14 @@ class RewardPool:
     `fn` must be picklable by reference (a module-level function): `RewardPool.supports(fn)` says whether it is.
     """
 
-    def __init__(self, fn: Callable, *, workers: int, timeout_s: float, name: str = "reward"):
+    def __init__(
+        self, fn: Callable, *, workers: int, timeout_s: float, name: str = "reward", slow_warning_s: float = 0.0
+    ):
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0 (got {workers}, {timeout_s})")
         self.name = name
         self.timeout_s = float(timeout_s)
+        self.slow_warning_s = float(slow_warning_s)
         self._fn_bytes = pickle.dumps(fn)
         self._ctx = multiprocessing.get_context("spawn")
         self._started = 0
@@ -207,8 +210,13 @@ class RewardPool:
         todo = deque(range(len(items)))
         chunk = max(1, min(64, -(-len(items) // (4 * len(self._workers)))))
         remaining = len(items)
+        began = time.monotonic()
+        report = began + self.slow_warning_s if self.slow_warning_s > 0 else math.inf
         while remaining:
             now = time.monotonic()
+            if now >= report:
+                report = now + self.slow_warning_s
+                self._report_slow(now, len(items) - remaining, len(items), now - began)
             for w in self._workers:
                 if w.ready and not w.inflight and todo:
                     ids = [todo.popleft() for _ in range(min(chunk, len(todo)))]
@@ -221,7 +229,8 @@ class RewardPool:
                         pass
             waits = [w.deadline if w.ready else w.started + STARTUP_TIMEOUT_S for w in self._workers
                      if w.inflight or not w.ready]
-            timeout = max(0.0, min(waits) - now) if waits else None
+            waits.append(report)
+            timeout = max(0.0, min(waits) - now) if math.isfinite(min(waits)) else None
             for conn in multiprocessing.connection.wait([w.conn for w in self._workers], timeout):
                 w = next(x for x in self._workers if x.conn is conn)
                 try:
@@ -267,6 +276,18 @@ class RewardPool:
                     self.timeouts += 1
                     remaining -= self._lost(w, results, todo, f"timed out after {self.timeout_s:g} s")
         return results  # type: ignore[return-value]
+
+    def _report_slow(self, now: float, done: int, total: int, elapsed: float) -> None:
+        """Warns about the calls running longer than `slow_warning_s`: how many are in flight and the oldest's age
+        (a slow reward is otherwise silent until its timeout or the trainer's hang warning)."""
+        running = [w.call_in_progress() for w in self._workers]
+        slow = sorted((now - r[1] for r in running if r is not None and now - r[1] >= self.slow_warning_s),
+                      reverse=True)
+        if not slow:
+            return
+        log.warning("reward %r is slow: %d call(s) running for more than %g s (the oldest for %.0f s; "
+                    "scoring.timeout_s=%g); %d of %d calls done after %.0f s", self.name, len(slow),
+                    self.slow_warning_s, slow[0], self.timeout_s, done, total, elapsed)
 
     def _take(self, worker: _Worker, results: list, done: list) -> tuple[int, bool]:
         """Stores `done` and every result message already waiting in the worker's pipe (one at a time, so an EOF

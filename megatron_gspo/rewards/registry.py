@@ -132,7 +132,8 @@ class RewardScorer:
         self._owns_pool = False
         if pool is None and scoring is not None and scoring.workers > 0:
             if RewardPool.supports(self.fn):
-                self.pool = RewardPool(self.fn, workers=scoring.workers, timeout_s=scoring.timeout_s, name=self.name)
+                self.pool = RewardPool(self.fn, workers=scoring.workers, timeout_s=scoring.timeout_s, name=self.name,
+                                       slow_warning_s=scoring.slow_warning_s)
                 self._owns_pool = True
             else:
                 logger.warning(

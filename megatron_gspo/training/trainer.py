@@ -151,9 +151,10 @@ class GSPOTrainer:
             return None
         check_resume_dir(self.run_dir)
         found = self.ckpt.find_latest()
-        if found is None:
-            return None
-        path, state = found
+        return None if found is None else self._checked(*found)
+
+    def _checked(self, path: Path, state: dict) -> tuple[Path, dict]:
+        """(path, state) once this run's config may continue checkpoint `path` (else ValueError)."""
         check_resumable(path, state, distributed_optimizer=self.cfg.optim.distributed, ep=self.cfg.parallel.ep)
         saved = path / RUN_CONFIG
         if saved.is_file():
@@ -167,6 +168,7 @@ class GSPOTrainer:
 
     def _resume(self, point: tuple[Path, dict] | None) -> None:
         """Continues from `point`: weights, optimizer, RNG and loop state; the logs are cut back to its step."""
+        point = self.ckpt.intact(point, self._checked)
         if point is None:
             log.info("no checkpoint under %s: starting from scratch", self.ckpt.root)
         else:

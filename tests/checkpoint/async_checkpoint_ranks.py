@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import time
 import weakref
@@ -78,6 +79,26 @@ def _entries(root) -> list[str]:
     return sorted(os.listdir(root)) if root.is_dir() else []
 
 
+@contextlib.contextmanager
+def hashing_pids(path: Path):
+    """Appends the pid of each process that hashes a rank's checkpoint files (integrity.record_rank_files, as the
+    checkpoint manager calls it) to `path`."""
+    from megatron_gspo.training import checkpoint as manager
+
+    original = manager.record_rank_files
+
+    def record(root, rank, **kwargs):
+        with open(path, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        original(root, rank, **kwargs)
+
+    manager.record_rank_files = record
+    try:
+        yield
+    finally:
+        manager.record_rank_files = original
+
+
 def save_while_training(run_dir: str, extra=()) -> dict:
     """Step 1's checkpoint is started in the background (its writers slowed down), the next update runs while it
     is written, then it is waited for; a new trainer resumes from it. Returns the states to compare and what the
@@ -93,7 +114,8 @@ def save_while_training(run_dir: str, extra=()) -> dict:
         trainer.update(batch)
         trainer.step = 1
         refs: list = []
-        with slow_writers(3.0), staged_copies(refs):
+        hashers = Path(run_dir) / f"hashed_by_rank{dist.get_rank()}"
+        with slow_writers(3.0), staged_copies(refs), hashing_pids(hashers):
             path = trainer.checkpoint(background=True)
             gc.collect()
             seen["staged"] = len(refs)
@@ -113,6 +135,10 @@ def save_while_training(run_dir: str, extra=()) -> dict:
         seen["path"] = str(path)
         seen["after_wait"] = _entries(root)
         seen["latest"] = (root / "latest").read_text().strip()
+        seen["hashed_by"] = [int(x) for x in hashers.read_text().split()]
+        seen["pid"] = os.getpid()
+        record = root / "iter_0000001" / "integrity" / f"rank_{dist.get_rank():05d}.json"
+        seen["record"] = sorted(json.loads(record.read_text())["files"])
     finally:
         trainer.close()
     _next_group()

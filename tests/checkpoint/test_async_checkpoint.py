@@ -26,7 +26,7 @@ def _moved(after: dict, saved: dict) -> int:
 def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_path):
     # Spawned, as torchrun starts ranks: each with its own string-hash seed (dist_checkpointing plans from dicts).
     outs = run_distributed(save_while_training, str(tmp_path / "run"), EP2, world_size=2, start_method="spawn")
-    for out in outs:
+    for rank, out in enumerate(outs):
         assert out["in_flight"] == 1 and out["poll"] is None
         # The staged copies live until the writer is done (on a GPU they are pinned blocks PyTorch would reuse).
         assert out["staged"] > 0 and out["staged_alive"] == out["staged"] == out["staged_released"]
@@ -36,6 +36,10 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_pa
         assert out["latest"] == "iter_0000001"
         # The resumed state is the state at the save, not the one the update during the write made.
         assert _same(out["resumed"], out["saved"])
+        # Each rank's files were hashed once, after they were written, by its background writer (not the trainer).
+        assert len(out["hashed_by"]) == 1 and out["hashed_by"] != [out["pid"]]
+        assert f"rng/rank_{rank:05d}.pt" in out["record"]
+        assert any(f.startswith(f"model/__{rank}_") for f in out["record"]), out["record"]
         assert _moved(out["after"]["weights"], out["saved"]["weights"])
         for key in ("param", "exp_avg", "exp_avg_sq"):  # fp32 masters and moments
             assert _moved(out["after"]["optimizer"][key], out["saved"]["optimizer"][key]), key

@@ -109,7 +109,7 @@ def test_writer_single_shard_big_tensors_and_views(tmp_path):
     reader = HFCheckpointReader(tmp_path / "a")
     assert len(reader.files) == 2 and torch.equal(reader["v1"], base[6:])
     write_hf_checkpoint(_tensors(2), tmp_path / "b", CFG)
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["config.json", "integrity", "model.safetensors"]
 
 
 def test_writer_failure_leaves_nothing_and_existing_output_is_protected(tmp_path):

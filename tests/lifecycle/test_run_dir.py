@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpoint.test_integrity import overwrite_tensor_bytes
 from tests.training.test_end_to_end import MINI, ROOT, _env
 
 TRAIN = ["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI]
@@ -117,6 +118,9 @@ def _damage(path: Path) -> None:
 
 
 def test_damaged_checkpoint_files_are_one_line_in_train_convert_and_model_load(run, tmp_path):
+    """Checkpoints without an integrity record (an older version's): what the loaders themselves find."""
+    for ckpt in (run / "checkpoints").glob("iter_*"):
+        shutil.rmtree(ckpt / "integrity")
     ckpt = run / "checkpoints" / "iter_0000003"
     (distcp,) = (ckpt / "model").glob("*.distcp")
     _damage(distcp)
@@ -133,6 +137,39 @@ def test_damaged_checkpoint_files_are_one_line_in_train_convert_and_model_load(r
     shutil.rmtree(ckpt)
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={run}", "--resume", ok=False))
     assert f"optimizer checkpoint {earlier / 'optimizer'} is unreadable or corrupt" in line
+
+
+@pytest.mark.parametrize("byte", [0x00, 0xFF])
+def test_changed_bytes_in_model_and_optimizer_shards_are_refused_and_resume_falls_back(run, tmp_path, byte):
+    """4 KiB of zeros or 0xff inside a shard's tensor data (its size unchanged; before the integrity record, zeros
+    loaded and trained silently): every load names the file in one line, exit 2;
+    --resume falls back to the newest checkpoint whose files are intact, warning about each damaged one."""
+    ckpts = run / "checkpoints"
+    model_shard = ckpts / "iter_0000003" / "model" / "__0_0.distcp"
+    optimizer_shard = ckpts / "iter_0000002" / "optimizer" / "__0_0.distcp"
+    overwrite_tensor_bytes(model_shard, byte)
+    overwrite_tensor_bytes(optimizer_shard, byte)
+    damaged = "is damaged: its bytes changed"
+    line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={tmp_path / 'new'}", f"model.load={ckpts / 'iter_0000003'}",
+                                ok=False))
+    assert f"checkpoint file {model_shard} {damaged}" in line
+    line = _one_line_error(_cli("convert", "megatron-to-hf", "--ckpt", ckpts / "iter_0000003", "--out",
+                                tmp_path / "hf", ok=False))
+    assert f"checkpoint file {model_shard} {damaged}" in line and not (tmp_path / "hf").exists()
+    # No intact checkpoint left: the damage of the last one tried is the error.
+    shutil.move(ckpts / "iter_0000001", tmp_path / "iter_0000001")
+    line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={run}", "--resume", ok=False))
+    assert f"checkpoint file {optimizer_shard} {damaged}" in line
+    shutil.move(tmp_path / "iter_0000001", ckpts / "iter_0000001")
+    res = _cli(*TRAIN, f"trainer.run_dir={run}", "--resume")
+    warnings = [x for x in res.stderr.splitlines() if damaged in x]
+    assert len(warnings) == 2, res.stderr[-3000:]
+    assert str(model_shard) in warnings[0] and "resuming from the checkpoint before it, iter_0000002" in warnings[0]
+    assert str(optimizer_shard) in warnings[1] and "resuming from the checkpoint before it, iter_0000001" in warnings[1]
+    assert f"resumed from {ckpts / 'iter_0000001'} at step 1" in res.stderr
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+    assert (ckpts / "latest").read_text().strip() == "iter_0000003"
+    _cli("convert", "megatron-to-hf", "--ckpt", ckpts / "iter_0000003", "--out", tmp_path / "hf")  # rewritten, intact
 
 
 def test_resume_of_a_checkpoint_in_the_old_per_rank_format_is_one_line(run):

@@ -12,6 +12,13 @@ def sleepy(response: str, answer: str, meta: dict) -> float:
     return float(response == answer)
 
 
+def slow(response: str, answer: str, meta: dict) -> float:
+    """Takes 2 s on responses starting with 'slow' (below any timeout the tests set); else exact match."""
+    if response.startswith("slow"):
+        time.sleep(2.0)
+    return float(response == answer)
+
+
 def spins(response: str, answer: str, meta: dict) -> float:
     """Loops forever in pure Python on 'loop' (as sympy can); else 1."""
     while response == "loop":

@@ -56,6 +56,25 @@ def test_only_the_stuck_call_fails_when_fast_calls_ran_before_it_in_its_chunk(fn
     assert scorer.pool.restarts == 1 and scorer.pool.timeouts == (1 if fn is misbehaving.sleepy else 0)
 
 
+def test_slow_calls_are_reported_while_they_run(caplog):
+    """Calls far below their timeout but slower than scoring.slow_warning_s: reported while they run (how many,
+    the oldest's age), and scored as usual."""
+    scoring = ScoringConfig(workers=2, timeout_s=60, slow_warning_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo.rewards.pool"):
+        rewards, (calls, errors, _), _ = _scored(misbehaving.slow, ["a", "slow1", "slow2", "b"], scoring=scoring)
+    assert rewards == [1.0, 1.0, 1.0, 1.0] and (calls, errors) == (4, 0)
+    reports = [r.getMessage() for r in caplog.records if "is slow" in r.getMessage()]
+    assert reports, [r.getMessage() for r in caplog.records]
+    assert all("reward 'slow' is slow:" in m and "running for more than 0.5 s" in m and "scoring.timeout_s=60" in m
+               and "of 4 calls done" in m for m in reports), reports
+    assert any("2 call(s)" in m for m in reports), reports  # both workers' calls in flight at once
+    quiet = ScoringConfig(workers=2, timeout_s=60, slow_warning_s=0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo.rewards.pool"):
+        _scored(misbehaving.slow, ["slow1"], scoring=quiet)
+    assert not [r for r in caplog.records if "is slow" in r.getMessage()]
+
+
 def test_a_pure_python_loop_times_out():
     rewards, (calls, errors, first), _ = _scored(misbehaving.spins, ["a", "loop", "b"])
     assert rewards == [1.0, 0.0, 1.0] and errors == 1 and "timed out" in first
@@ -133,6 +152,7 @@ def test_sharing_keeps_the_pool_and_separate_counts():
         (dict(timeout_s=0), r"scoring\.timeout_s=0"),
         (dict(max_error_frac=0), r"scoring\.max_error_frac=0"),
         (dict(max_error_frac=1.5), r"scoring\.max_error_frac=1\.5"),
+        (dict(slow_warning_s=-1), r"scoring\.slow_warning_s=-1"),
     ],
 )
 def test_scoring_config_names_the_key(kwargs, message):

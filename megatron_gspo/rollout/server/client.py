@@ -27,6 +27,11 @@ from megatron_gspo.rollout.server.errors import (
 
 logger = logging.getLogger(__name__)
 
+
+def progress_every_s(timeout_s: float) -> float:
+    """How often a wait for a server reports: every 30 s, or a quarter of a shorter time limit (at least 1 s)."""
+    return max(1.0, min(30.0, timeout_s / 4))
+
 MAX_BACKOFF_S = 30.0
 
 
@@ -146,9 +151,16 @@ class HTTPClient:
         """Polls `path` until it answers 200. 503 and refused connections mean "still starting".
 
         `check_alive` returns an error message when the process behind `url` has died (launch mode), which
-        ends the wait at once instead of at the timeout.
+        ends the wait at once instead of at the timeout. The wait is announced at once and reported every
+        `progress_every_s(timeout_s)` seconds (a server that never answers is otherwise a silent wait of up to
+        `startup_timeout_s`).
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        label = server_label(self.kind, url)
+        logger.info("waiting up to %g s for %s to answer GET %s", timeout_s, label, path)
+        every = progress_every_s(timeout_s)
+        next_report = start + every
         last = "no answer yet"
         while True:
             if check_alive is not None and (dead := check_alive()):
@@ -162,6 +174,11 @@ class HTTPClient:
                     raise ServerHTTPError(url, path, status, body.decode("utf-8", "replace"), kind=self.kind)
             except ServerConnectionError as e:
                 last = str(e)
-            if time.monotonic() >= deadline:
-                raise ServerError(f"{server_label(self.kind, url)} not healthy after {timeout_s:g} s (last: {last})")
+            now = time.monotonic()
+            if now >= deadline:
+                raise ServerError(f"{label} not healthy after {timeout_s:g} s (last: {last})")
+            if now >= next_report:
+                logger.warning("still waiting for %s (GET %s): %.0f s of %g s (last: %s)", label, path, now - start,
+                               timeout_s, last)
+                next_report = now + every
             await asyncio.sleep(poll_s)

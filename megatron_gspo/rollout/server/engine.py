@@ -40,7 +40,7 @@ from megatron_gspo.rollout.server.errors import (
     StaleWeightsError,
     parse_json_body,
 )
-from megatron_gspo.rollout.server.process import ManagedProcess, ProcessSupervisor, port_in_use
+from megatron_gspo.rollout.server.process import ManagedProcess, ProcessSupervisor, check_python, port_in_use
 from megatron_gspo.rollout.server.replicas import ReplicaGroup
 from megatron_gspo.rollout.server.seeds import derive_sampling_seed
 from megatron_gspo.rollout.types import Rollout, SamplingParams
@@ -148,6 +148,7 @@ class ServerEngine:
 
     def _launch(self) -> None:
         cfg = self.config
+        check_python(cfg)
         for what, port in self._launch_ports():
             if port_in_use(cfg.host, port):
                 raise RuntimeError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
+
+from megatron_gspo.rollout.server.errors import ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,15 @@ def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         return s.connect_ex((target, port)) == 0
+
+
+def check_python(cfg: Any) -> None:
+    """Raises ValueError naming `<section>.python` when the server environment's interpreter cannot be run (a
+    wrong path), before anything is started."""
+    if shutil.which(cfg.python) is None:
+        where = "" if os.path.isabs(cfg.python) else f" (relative to {os.getcwd()} or on PATH)"
+        raise ValueError(f"{cfg.section}.python={cfg.python!r} is not an executable file{where}: set it to the "
+                         f"python of the {cfg.section} server's environment")
 
 
 @dataclass
@@ -115,8 +127,8 @@ class ProcessSupervisor:
         try:
             err = subprocess.STDOUT if out else None
             popen = subprocess.Popen(command, env=full_env, stdout=out, stderr=err, start_new_session=True)
-        except OSError as e:
-            raise RuntimeError(f"could not start {name} ({' '.join(command)}): {e}") from e
+        except OSError as e:  # one line in the CLI (a ServerError), naming what could not be run
+            raise ServerError(f"could not start {name} ({command[0]}): {e.strerror or e}") from e
         proc = ManagedProcess(name, command, popen, log_path)
         with self._lock:
             self.processes.append(proc)
