@@ -7,9 +7,10 @@ s's update carries version s), the oldest of its rollouts' (`group_version`). Th
 batch's worth of groups out.
 
 Synchronous RL (today's loop) is this buffer with no look-ahead: the rollout stage fills it right before the
-training stage empties it, every group has staleness 0, and nothing is left over between steps (what the step does
-not use is dropped and counted). Asynchronous RL adds a producer that runs ahead within `max_staleness` versions;
-groups older than that are dropped, counted, when they are taken.
+training stage empties it, so every group has staleness 0 (the engine was synced after the last update) and nothing
+is left over between steps (what the step does not use is dropped and counted); no staleness bound is needed
+(`max_staleness=None`). Asynchronous RL adds a producer that runs ahead within `max_staleness` versions; groups
+older than that are dropped, counted, when they are taken.
 
 Which groups a rollout batch gets: groups with learning signal (reward variance within the group, GSPO Eq. 6
 advantages not all zero) first, in the order they were produced; then, up to the batch size, zero-variance groups
@@ -68,9 +69,11 @@ class Taken:
 class RolloutBuffer:
     """Scored rollout groups between the rollout stage and the training stage of the RL loop (module doc)."""
 
-    def __init__(self, max_staleness: int = 0):
-        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-            raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 0")
+    def __init__(self, max_staleness: int | None = None):
+        if max_staleness is not None and (
+            not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0
+        ):
+            raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 0 or None (no bound)")
         self.max_staleness = max_staleness
         self._informative: list[RolloutGroup] = []
         self._flat: list[RolloutGroup] = []
@@ -85,7 +88,10 @@ class RolloutBuffer:
 
     def ready(self, want: int, version: int) -> bool:
         """Whether `take(want, version)` would find a full batch."""
-        return sum(version - g.weight_version <= self.max_staleness for g in (*self._informative, *self._flat)) >= want
+        return sum(self._fresh(g, version) for g in (*self._informative, *self._flat)) >= want
+
+    def _fresh(self, group: RolloutGroup, version: int) -> bool:
+        return self.max_staleness is None or version - group.weight_version <= self.max_staleness
 
     def take(self, want: int, version: int) -> Taken:
         """The groups of one rollout batch for weights of `version`: up to `want` informative groups, then
@@ -102,7 +108,7 @@ class RolloutBuffer:
             )
         stale = 0
         for pool in (self._informative, self._flat):
-            fresh = [g for g in pool if version - g.weight_version <= self.max_staleness]
+            fresh = [g for g in pool if self._fresh(g, version)]
             stale += len(pool) - len(fresh)
             pool[:] = fresh
         chosen, self._informative = self._informative[:want], self._informative[want:]

@@ -106,7 +106,7 @@ class GSPOTrainer:
         self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
         self.step = 0
         # Synchronous RL: the rollout buffer with no look-ahead (training/rollout_buffer.py).
-        self.buffer = RolloutBuffer(max_staleness=0)
+        self.buffer = RolloutBuffer()
         self.groups_per_rank = t.prompts_per_step // self.rt.dp.size
         self.history: list[dict] = []
         self.summary: dict = {}

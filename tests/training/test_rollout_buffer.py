@@ -63,11 +63,19 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted():
     assert taken.stale == 2 and taken.staleness == [1, 0]
 
 
-def test_synchronous_buffer_refuses_nothing_of_the_current_version():
-    buf = RolloutBuffer(max_staleness=0)
-    buf.put([group("a", [0, 1], version=7), group("b", [0, 0], version=7)])
+def test_without_a_bound_nothing_is_stale_and_staleness_is_still_reported():
+    buf = RolloutBuffer()
+    buf.put([group("a", [0, 1], version=7), group("b", [0, 0], version=2)])
     taken = buf.take(2, version=7)
     assert names(taken.groups) == ["a", "b"] and taken.stale == 0
+    assert taken.staleness == [0, 5]
+
+
+def test_a_zero_bound_keeps_only_the_current_version():
+    buf = RolloutBuffer(max_staleness=0)
+    buf.put([group("a", [0, 1], version=7), group("b", [0, 0], version=6), group("c", [1, 1], version=7)])
+    taken = buf.take(2, version=7)
+    assert names(taken.groups) == ["a", "c"] and taken.stale == 1
 
 
 def test_a_group_has_the_oldest_weight_version_of_its_rollouts():
