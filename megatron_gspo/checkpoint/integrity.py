@@ -49,8 +49,11 @@ class CheckpointDamaged(ValueError):
     """A checkpoint file does not match its integrity record (changed bytes, another size, missing)."""
 
     def __init__(self, path: Path, why: str, *, line: str | None = None):
-        super().__init__(line or f"checkpoint file {path} is damaged: {why} (it does not match the integrity "
-                                 f"record written when it was saved)")
+        super().__init__(
+            line
+            or f"checkpoint file {path} is damaged: {why} (it does not match the integrity "
+            f"record written when it was saved)"
+        )
         self.path = path
 
 
@@ -68,6 +71,7 @@ def file_crc32(path: Path) -> tuple[int, str]:
 
 def hash_files(root: Path, rel_paths: list[str]) -> dict[str, dict]:
     """{relative path: {size, crc32}} of the files under `root`, hashed by a few threads."""
+
     def one(rel: str) -> tuple[str, dict]:
         size, crc = file_crc32(root / rel)
         return rel, {"size": size, ALGORITHM: crc}
@@ -142,14 +146,18 @@ def record_common_files(root: Path, world_size: int) -> None:
             raise RuntimeError(f"rank {rank} could not hash its checkpoint files: {record['error']}")
         listed.update(record.get("files", {}))
     rest = [rel for rel in _files_under(root) if rel not in listed]
-    _write_json(root / RECORD_DIR / COMMON,
-                {"algorithm": ALGORITHM, "rank_records": world_size, "files": hash_files(root, rest)})
+    _write_json(
+        root / RECORD_DIR / COMMON,
+        {"algorithm": ALGORITHM, "rank_records": world_size, "files": hash_files(root, rest)},
+    )
 
 
 def record_all_files(root: Path) -> None:
     """One process wrote the whole directory `root` (a Hugging Face export): records every file in it."""
-    _write_json(root / RECORD_DIR / COMMON,
-                {"algorithm": ALGORITHM, "rank_records": 0, "files": hash_files(root, _files_under(root))})
+    _write_json(
+        root / RECORD_DIR / COMMON,
+        {"algorithm": ALGORITHM, "rank_records": 0, "files": hash_files(root, _files_under(root))},
+    )
 
 
 def read_record(root: Path) -> dict[str, dict] | None:
@@ -164,10 +172,16 @@ def read_record(root: Path) -> dict[str, dict] | None:
         ranks = int(head["rank_records"])
         parts = [head] + [json.loads((records / rank_record_name(r)).read_text()) for r in range(ranks)]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-        raise CheckpointDamaged(records, f"its integrity record is unreadable ({err})".replace("\n", " ")) from err
+        raise CheckpointDamaged(
+            records, f"its integrity record is unreadable ({err})".replace("\n", " ")
+        ) from err
     files: dict[str, dict] = {}
     for part in parts:
-        if not isinstance(part, dict) or part.get("algorithm") != ALGORITHM or not isinstance(part.get("files"), dict):
+        if (
+            not isinstance(part, dict)
+            or part.get("algorithm") != ALGORITHM
+            or not isinstance(part.get("files"), dict)
+        ):
             raise CheckpointDamaged(records, "its integrity record is not a crc32 record")
         files.update(part["files"])
     return files
@@ -201,12 +215,19 @@ def _check(root: Path, rels: list[str], expected: dict[str, dict]) -> list[tuple
     if present:
         for rel, got in hash_files(root, present).items():
             if got[ALGORITHM] != expected[rel][ALGORITHM]:
-                problems.append((rel, f"its bytes changed (crc32 {got[ALGORITHM]}, {expected[rel][ALGORITHM]} "
-                                      f"when written)"))
+                problems.append(
+                    (
+                        rel,
+                        f"its bytes changed (crc32 {got[ALGORITHM]}, {expected[rel][ALGORITHM]} "
+                        f"when written)",
+                    )
+                )
     return problems
 
 
-def verify(root: str | os.PathLike, prefixes: tuple[str, ...] | None = None, *, collective: bool = True) -> bool:
+def verify(
+    root: str | os.PathLike, prefixes: tuple[str, ...] | None = None, *, collective: bool = True
+) -> bool:
     """Checks the files of checkpoint directory `root` (only those under `prefixes`, e.g. ("model/",), when
     given) against its integrity record. With `collective` and torch.distributed initialized every rank calls and
     hashes a share of the files. Raises CheckpointDamaged naming the first damaged file (on every rank); returns
@@ -228,8 +249,11 @@ def verify(root: str | os.PathLike, prefixes: tuple[str, ...] | None = None, *, 
             problems = _check(root, _shares(entries, world)[rank], expected)
         except (OSError, KeyError, TypeError) as err:
             problems = [(".", f"cannot be checked: {err}")]
-    mine = [found[0]] if found[0] is not None else [(rel, str(CheckpointDamaged(root / rel, why)))
-                                                     for rel, why in problems]
+    mine = (
+        [found[0]]
+        if found[0] is not None
+        else [(rel, str(CheckpointDamaged(root / rel, why))) for rel, why in problems]
+    )
     if multi:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)

@@ -33,8 +33,11 @@ def overwrite_tensor_bytes(shard: Path, byte: int, n: int = 4096) -> None:
     unchanged): the tensor data, not the serialization around it, which torch would find damaged by itself."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    items = [i for i in FileSystemReader(str(shard.parent)).read_metadata().storage_data.values()
-             if i.relative_path == shard.name]
+    items = [
+        i
+        for i in FileSystemReader(str(shard.parent)).read_metadata().storage_data.values()
+        if i.relative_path == shard.name
+    ]
     largest = max(items, key=lambda i: i.length)
     assert largest.length > 4 * n, largest
     data = bytearray(shard.read_bytes())
@@ -87,7 +90,9 @@ def test_cut_short_missing_and_unrecorded_ranks_are_named(tmp_path):
     root = _two_rank_checkpoint(tmp_path / "ck")
     shard = root / "model" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(integrity.CheckpointDamaged, match=r"__0_0.distcp is damaged: 100 bytes, 16384 were written"):
+    with pytest.raises(
+        integrity.CheckpointDamaged, match=r"__0_0.distcp is damaged: 100 bytes, 16384 were written"
+    ):
         integrity.verify(root)
     shard.unlink()
     with pytest.raises(integrity.CheckpointDamaged, match=r"__0_0.distcp is damaged: the file is missing"):
@@ -97,7 +102,9 @@ def test_cut_short_missing_and_unrecorded_ranks_are_named(tmp_path):
         integrity.verify(root)
     with pytest.raises(RuntimeError, match="rank 1 wrote no integrity record"):
         integrity.record_common_files(root, 2)  # what completing such a checkpoint says
-    (root / "integrity" / "rank_00001.json").write_text(json.dumps({"algorithm": "crc32", "error": "OSError: EIO"}))
+    (root / "integrity" / "rank_00001.json").write_text(
+        json.dumps({"algorithm": "crc32", "error": "OSError: EIO"})
+    )
     with pytest.raises(RuntimeError, match="rank 1 could not hash its checkpoint files: OSError: EIO"):
         integrity.record_common_files(root, 2)
 
@@ -124,9 +131,23 @@ def test_convert_names_a_truncated_safetensors_file_in_one_line(tmp_path):
     hf = _hf_dir(tmp_path / "hf")
     shard = hf / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1000])  # cut in its data, after an intact header
-    res = subprocess.run([sys.executable, "-m", "megatron_gspo.cli.main", "convert", "hf-to-megatron", "--hf",
-                          str(hf), "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_gspo.cli.main",
+            "convert",
+            "hf-to-megatron",
+            "--hf",
+            str(hf),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     (line,) = [x for x in res.stderr.strip().splitlines() if "error" in x]

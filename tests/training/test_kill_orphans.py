@@ -10,7 +10,15 @@ import psutil
 
 from tests.training.test_end_to_end import MINI, ROOT, _env
 
-TRAIN = [sys.executable, "-m", "megatron_gspo.cli.main", "train", "--config", "examples/tiny_moe_gspo.yaml", *MINI]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "megatron_gspo.cli.main",
+    "train",
+    "--config",
+    "examples/tiny_moe_gspo.yaml",
+    *MINI,
+]
 
 
 def _alive(procs: list[psutil.Process]) -> list[str]:
@@ -27,9 +35,19 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
 def test_sigkill_during_a_background_checkpoint_leaves_no_process_and_closes_the_output(tmp_path):
     run = tmp_path / "run"
     trainer = subprocess.Popen(
-        [*TRAIN, f"trainer.run_dir={run}", "trainer.steps=200", "trainer.async_save=true", "trainer.ckpt_every=1",
-         "trainer.keep_last=1"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        [
+            *TRAIN,
+            f"trainer.run_dir={run}",
+            "trainer.steps=200",
+            "trainer.async_save=true",
+            "trainer.ckpt_every=1",
+            "trainer.keep_last=1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     me = psutil.Process(trainer.pid)
     try:
@@ -39,14 +57,18 @@ def test_sigkill_during_a_background_checkpoint_leaves_no_process_and_closes_the
         while time.monotonic() < deadline and trainer.poll() is None:
             for c in me.children(recursive=True):
                 children.setdefault(c.pid, c)
-            writing = any((run / "checkpoints").glob("iter_*.tmp")) and any((run / "checkpoints").glob("iter_*[0-9]"))
+            writing = any((run / "checkpoints").glob("iter_*.tmp")) and any(
+                (run / "checkpoints").glob("iter_*[0-9]")
+            )
             if writing and len(me.children(recursive=True)) >= 3:  # manager, tracker, writer
                 break
             time.sleep(0.02)
         assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
         children.update({c.pid: c for c in me.children(recursive=True)})
         names = [" ".join(c.cmdline()) for c in children.values() if c.is_running()]
-        assert any("resource_tracker" in n for n in names), names  # the processes this test is about were there
+        assert any("resource_tracker" in n for n in names), (
+            names
+        )  # the processes this test is about were there
         assert any("spawn_main" in n for n in names), names  # megatron's results-queue manager
         trainer.kill()
         # Every process the trainer started is gone within 5 s, and its output pipes reach EOF.

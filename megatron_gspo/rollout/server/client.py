@@ -32,6 +32,7 @@ def progress_every_s(timeout_s: float) -> float:
     """How often a wait for a server reports: every 30 s, or a quarter of a shorter time limit (at least 1 s)."""
     return max(1.0, min(30.0, timeout_s / 4))
 
+
 MAX_BACKOFF_S = 30.0
 
 

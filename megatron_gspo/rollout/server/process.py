@@ -40,7 +40,9 @@ def port_in_use(host: str, port: int) -> bool:
 def check_python(cfg: Any) -> None:
     """Raises ValueError naming `<section>.python` when the server environment's interpreter cannot be run (a
     wrong path), before anything is started."""
-    if shutil.which(cfg.python) is None:
+    # The server starts with the trainer's environment plus `<section>.server_env`: its PATH is the one searched.
+    search = (getattr(cfg, "server_env", None) or {}).get("PATH") or os.environ.get("PATH")
+    if shutil.which(cfg.python, path=search) is None:
         where = "" if os.path.isabs(cfg.python) else f" (relative to {os.getcwd()} or on PATH)"
         raise ValueError(f"{cfg.section}.python={cfg.python!r} is not an executable file{where}: set it to the "
                          f"python of the {cfg.section} server's environment")

@@ -183,5 +183,5 @@ def test_launch_refuses_a_port_already_in_use(tmp_path, fake_servers):
 def test_launch_with_a_missing_interpreter_is_clear(tmp_path):
     cfg = launch_config(tmp_path, free_port())
     cfg.python = str(tmp_path / "no-such-env" / "bin" / "python")
-    with pytest.raises(RuntimeError, match="could not start SGLang server 0 .*no-such-env"):
+    with pytest.raises(ValueError, match="sglang.python='.*no-such-env/bin/python' is not an executable file"):
         SGLangEngine(cfg)

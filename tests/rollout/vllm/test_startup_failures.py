@@ -14,13 +14,29 @@ from tests.distributed import free_port
 from tests.rollout.vllm.test_end_to_end import MINI, ROOT, SERVER, VLLM_PYTHON
 from tests.training.test_end_to_end import _env
 
-TRAIN = [sys.executable, "-m", "megatron_gspo.cli.main", "train", "--config", "examples/tiny_moe_gspo.yaml", *MINI,
-         *SERVER, "trainer.steps=1", "rollout.engine=vllm"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "megatron_gspo.cli.main",
+    "train",
+    "--config",
+    "examples/tiny_moe_gspo.yaml",
+    *MINI,
+    *SERVER,
+    "trainer.steps=1",
+    "rollout.engine=vllm",
+]
 
 
 def _run(tmp_path, *overrides):
-    return subprocess.run([*TRAIN, f"trainer.run_dir={tmp_path / 'run'}", *overrides], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [*TRAIN, f"trainer.run_dir={tmp_path / 'run'}", *overrides],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _last_line(res, code: int) -> str:
@@ -39,8 +55,12 @@ def test_a_wrong_vllm_python_is_one_line_naming_the_key(tmp_path):
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make rollout-env)")
 def test_a_server_that_exits_while_starting_is_one_line_naming_its_log(tmp_path):
     """The real vLLM CPU server refuses an unknown option and exits."""
-    res = _run(tmp_path, f"vllm.port_base={free_port()}", f"vllm.log_dir={tmp_path / 'logs'}",
-               "vllm.extra_server_args=[--no-such-option]")
+    res = _run(
+        tmp_path,
+        f"vllm.port_base={free_port()}",
+        f"vllm.log_dir={tmp_path / 'logs'}",
+        "vllm.extra_server_args=[--no-such-option]",
+    )
     line = _last_line(res, 1)
     assert "vLLM server 0" in line and "did not start" in line and "exited with code" in line, line
     assert str(tmp_path / "logs" / "vllm_server_0.log") in line
@@ -49,7 +69,13 @@ def test_a_server_that_exits_while_starting_is_one_line_naming_its_log(tmp_path)
 
 def test_attaching_to_an_unreachable_server_reports_what_it_waits_for_and_fails_in_one_line(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    res = _run(tmp_path, "vllm.mode=attach", f"vllm.urls=[{url}]", "vllm.model_path=unused", "vllm.startup_timeout_s=6")
+    res = _run(
+        tmp_path,
+        "vllm.mode=attach",
+        f"vllm.urls=[{url}]",
+        "vllm.model_path=unused",
+        "vllm.startup_timeout_s=6",
+    )
     line = _last_line(res, 1)
     assert f"{url} not healthy after 6 s" in line, line
     lines = res.stderr.splitlines()
