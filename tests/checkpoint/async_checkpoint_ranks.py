@@ -83,7 +83,7 @@ def _entries(root) -> list[str]:
 def hashing_pids(path: Path):
     """Appends the pid of each process that hashes a rank's checkpoint files (integrity.record_rank_files, as the
     checkpoint manager calls it) to `path`."""
-    from megatron_gspo.training import checkpoint as manager
+    from megatron_gspo.checkpoint import manager
 
     original = manager.record_rank_files
 
