@@ -82,10 +82,11 @@ mg_task_train() {
         # shellcheck disable=SC2206  # TORCHRUN may hold an interpreter and a module
         local -a torchrun=(${TORCHRUN:-$python -m torch.distributed.run})
         local status=0
-        mg_run_trainer children "$(mg_stop_signals)" "${torchrun[@]}" --nnodes="$TRAIN_NODES" \
+        mg_run_trainer step "$(mg_stop_signals)" "${torchrun[@]}" --nnodes="$TRAIN_NODES" \
             --nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" \
             --master-port="$MASTER_PORT" "${MG_ARGS[@]}" || status=$?
         mg_stop_bg
+        mg_is_dry || status="$(mg_task_status "$status" $((NODE_RANK * GPUS_PER_NODE)) "$GPUS_PER_NODE")"
         return "$status"
         ;;
     srun)
@@ -99,7 +100,8 @@ mg_task_train() {
         mg_note "training rank $RANK on node $NODE_RANK ($host)"
         mg_print_vars RANK LOCAL_RANK NODE_RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
         local status=0
-        mg_run_trainer direct "$(mg_stop_signals)" "$python" "${MG_ARGS[@]}" || status=$?
+        mg_run_trainer step "$(mg_stop_signals)" "$python" "${MG_ARGS[@]}" || status=$?
+        mg_is_dry || status="$(mg_task_status "$status" "$RANK" 1)"
         return "$status"
         ;;
     *) mg_die "LAUNCHER=${LAUNCHER} must be torchrun or srun" ;;
