@@ -184,7 +184,8 @@ mg_step_status() {
             status=1
         fi
         if (( status != 0 && status != 75 && ${#lost[@]} > 0 )); then
-            echo "megatron-gspo launch: training failed (exit $status): ${lost[*]// rank/, rank} ended without an exit status (killed, e.g. out of memory; see $LOG_DIR)" >&2
+            local IFS=,
+            echo "megatron-gspo launch: training failed (exit $status): ${lost[*]} ended without an exit status (killed by a signal or lost, e.g. out of memory; see $LOG_DIR)" >&2
         fi
     fi
     echo "$status"
