@@ -184,8 +184,9 @@ mg_step_status() {
             status=1
         fi
         if (( status != 0 && status != 75 && ${#lost[@]} > 0 )); then
-            local IFS=,
-            echo "megatron-gspo launch: training failed (exit $status): ${lost[*]} ended without an exit status (killed by a signal or lost, e.g. out of memory; see $LOG_DIR)" >&2
+            local names
+            names="$(printf ', %s' "${lost[@]}")"
+            echo "megatron-gspo launch: training failed (exit $status): ${names:2} ended without an exit status (killed by a signal or lost, e.g. out of memory; see $LOG_DIR)" >&2
         fi
     fi
     echo "$status"
