@@ -286,9 +286,14 @@ mg_setup_cluster() {
     TRAIN_HOSTS="${MG_HOSTS[*]:0:TRAIN_NODES}"
     ROLLOUT_HOSTS="${MG_HOSTS[*]:TRAIN_NODES}"
     MASTER_ADDR="${MASTER_ADDR:-${MG_HOSTS[0]}}"
+    # MG_PORT_GIVEN: whether MASTER_PORT came from the user (a one-node torchrun step then uses it; otherwise it
+    # runs --standalone, where torchrun binds a port the kernel picks: no collision with other jobs on the node).
+    if [[ -n "${MASTER_PORT:-}" && -z "${MG_PORT_GIVEN:-}" ]]; then MG_PORT_GIVEN=1; fi
+    MG_PORT_GIVEN="${MG_PORT_GIVEN:-0}"
     MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
     WORLD_SIZE=$((TRAIN_NODES * GPUS_PER_NODE))
-    export NNODES GPUS_PER_NODE ROLLOUT_NODES TRAIN_NODES TRAIN_HOSTS ROLLOUT_HOSTS MASTER_ADDR MASTER_PORT WORLD_SIZE
+    export NNODES GPUS_PER_NODE ROLLOUT_NODES TRAIN_NODES TRAIN_HOSTS ROLLOUT_HOSTS MASTER_ADDR MASTER_PORT WORLD_SIZE \
+        MG_PORT_GIVEN
 }
 
 # Environment for training ranks (NCCL/GLOO interfaces, Megatron's single CUDA connection for comm/compute ordering).

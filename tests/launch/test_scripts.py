@@ -481,3 +481,13 @@ def test_overrides_are_valid_run_config_keys(slurm):
     assert sglang.mode == "attach" and sglang.colocated and sglang.return_routed_experts
     assert sglang.weight_sync == "disk" and sglang.weight_sync_dir.endswith("/weight_sync")
     assert sglang.urls == [f"http://a:{30000 + i}" for i in range(8)]
+
+
+def test_one_node_torchrun_binds_its_own_port(slurm):
+    # One node: no port picked in advance (another job on a shared node could take it first); --standalone lets
+    # torchrun bind one the kernel picks. A MASTER_PORT the user sets is used as given.
+    one = dict(FOUR_NODES, SLURM_JOB_NODELIST="gpu001", SLURM_NNODES="1")
+    (cmd,) = slurm("train.sbatch", CONFIG="gspo.yaml", **one).find("torch.distributed.run")
+    assert "--standalone" in cmd and not any(a.startswith("--master-port") for a in cmd), cmd
+    (cmd,) = slurm("train.sbatch", CONFIG="gspo.yaml", MASTER_PORT="23456", **one).find("torch.distributed.run")
+    assert "--standalone" not in cmd and flag(cmd, "--master-port") == "23456", cmd
