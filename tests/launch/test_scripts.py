@@ -1,5 +1,7 @@
 """launch/ scripts: syntax, and dry runs in a fake Slurm environment (stub `scontrol` on PATH) checking the
-node / rank arithmetic and the exact command lines."""
+node / rank arithmetic and the exact command lines. The fake stays because a real Slurm on one host cannot express
+these cases (4-6 nodes of 8 GPUs, rollout nodes, multi-node rank arithmetic); what one host can run, the scripts do
+under a real Slurm in test_slurm_jobs.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""launch/: stop signals and requeue. Real (non-dry) runs against stubs: `srun` runs the tasks locally and passes
-signals on (as Slurm's does), `python` plays torchrun with one worker per GPU that records the signals it gets and
-exits 75 (the trainer's "stopped with a checkpoint"; USR1_EXITS sets other codes per rank), recording its code in
-$MG_STATUS_DIR as the trainer does, `scontrol` records requeue requests."""
+"""launch/: stop signals and requeue, every combination of rank exit codes, against stand-ins that behave as the
+real ones do (see SRUN below): `srun` runs the tasks locally, delivers a signal to every process of each task and
+honours --kill-on-bad-exit; `python` plays torchrun (no SIGUSR1 handler) with one worker per GPU that records the
+signals it gets and exits 75 (the trainer's "stopped with a checkpoint"; USR1_EXITS sets other codes per rank),
+recording its code in $MG_STATUS_DIR as the trainer does; `scontrol` records requeue requests. The same paths under
+a real Slurm: test_slurm_jobs.py."""
 
 from __future__ import annotations
 
