@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 
@@ -25,3 +26,4 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.dir, ignore_errors=True)  # its configuration, state and daemon logs
