@@ -41,7 +41,9 @@ def _which(name: str) -> str | None:
 
 def missing_programs() -> list[str]:
     """The Slurm / munge programs that are not installed."""
-    return [p for p in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel") if _which(p) is None]
+    return [
+        p for p in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel") if _which(p) is None
+    ]
 
 
 def _port_pair() -> tuple[int, int]:
@@ -133,20 +135,30 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.1)
         self._daemons[name] = int(pidfile.read_text().strip())
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         """Writes the configuration and starts munged, slurmctld and slurmd; returns once the node is idle."""
         self._write_config()
         d = self.dir
         try:
             self._start_daemon(
                 "munged",
-                [_which("munged"), f"--socket={d}/munge/munge.socket", f"--key-file={d}/munge/munge.key",
-                 f"--pid-file={d}/munge/munged.pid", f"--log-file={d}/munge/munged.log",
-                 f"--seed-file={d}/munge/munged.seed", "--force"],
+                [
+                    _which("munged"),
+                    f"--socket={d}/munge/munge.socket",
+                    f"--key-file={d}/munge/munge.key",
+                    f"--pid-file={d}/munge/munged.pid",
+                    f"--log-file={d}/munge/munged.log",
+                    f"--seed-file={d}/munge/munged.seed",
+                    "--force",
+                ],
                 d / "munge" / "munged.pid",
             )
-            self._start_daemon("slurmctld", [_which("slurmctld"), "-f", str(self.conf), "-i"], d / "slurmctld.pid")
-            self._start_daemon("slurmd", [_which("slurmd"), "-f", str(self.conf), "-N", self.node], d / "slurmd.pid")
+            self._start_daemon(
+                "slurmctld", [_which("slurmctld"), "-f", str(self.conf), "-i"], d / "slurmctld.pid"
+            )
+            self._start_daemon(
+                "slurmd", [_which("slurmd"), "-f", str(self.conf), "-N", self.node], d / "slurmd.pid"
+            )
             deadline = time.time() + timeout
             while True:
                 out = self.scontrol("show", "node", self.node, check=False)
@@ -163,7 +175,9 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     def stop(self) -> None:
         """Cancels what is left of the jobs, then ends slurmd, slurmctld and munged by their PIDs."""
         if "slurmctld" in self._daemons:
-            subprocess.run([_which("scancel"), "--full", "--user=root"], env=self.env, capture_output=True, timeout=30)
+            subprocess.run(
+                [_which("scancel"), "--full", "--user=root"], env=self.env, capture_output=True, timeout=30
+            )
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self._daemons.pop(name, None)
             if pid is None:
@@ -183,14 +197,22 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         parts = []
         for log in (self.dir / "slurmctld.log", self.dir / "slurmd.log", self.dir / "munge" / "munged.log"):
             if log.exists():
-                parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+                parts.append(
+                    f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                )
         return "\n".join(parts)
 
     # ---- commands ------------------------------------------------------------------------------------------------
     def run(self, *argv: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
         """Runs a Slurm client command against this cluster."""
-        res = subprocess.run([_which(argv[0]) or argv[0], *argv[1:]], env=kw.pop("env", self.env),
-                             capture_output=True, text=True, timeout=kw.pop("timeout", 60), **kw)
+        res = subprocess.run(
+            [_which(argv[0]) or argv[0], *argv[1:]],
+            env=kw.pop("env", self.env),
+            capture_output=True,
+            text=True,
+            timeout=kw.pop("timeout", 60),
+            **kw,
+        )
         if check and res.returncode != 0:
             raise SlurmError(f"{' '.join(argv)} exited {res.returncode}: {res.stdout}{res.stderr}")
         return res
@@ -209,8 +231,13 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         out = self.scontrol("show", "job", "--oneliner", job_id)
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
-    def wait(self, job_id: str, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
-             timeout: float = 300, poll: float = 0.5) -> dict[str, str]:
+    def wait(
+        self,
+        job_id: str,
+        states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+        timeout: float = 300,
+        poll: float = 0.5,
+    ) -> dict[str, str]:
         """Waits until the job is in one of `states`; returns its record. On timeout the job is cancelled."""
         deadline = time.time() + timeout
         while True:

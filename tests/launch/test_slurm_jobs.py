@@ -18,16 +18,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MINI = ("trainer.prompts_per_step=8 trainer.micro_batch_size=8 trainer.progress=false rollout.group_size=4 "
-        "rollout.max_new_tokens=5 data.train_size=256 data.heldout_size=16 eval.max_prompts=16 eval.n=2")
+MINI = (
+    "trainer.prompts_per_step=8 trainer.micro_batch_size=8 trainer.progress=false rollout.group_size=4 "
+    "rollout.max_new_tokens=5 data.train_size=256 data.heldout_size=16 eval.max_prompts=16 eval.n=2"
+)
 JOB_TIMEOUT = 420  # seconds a scenario may take in all (two starts of a job on a busy 2-core machine)
 
 
 def _env(run_dir: Path, launcher: str, overrides: str) -> dict:
     # The job runs this checkout's code (PYTHONPATH: not whatever the environment's editable install points at).
-    return dict(PYTHONPATH=str(ROOT), PYTHON=sys.executable, CONFIG=str(ROOT / "examples/tiny_moe_gspo.yaml"),
-                LAUNCH_DIR=str(ROOT / "launch"), RUN_DIR=str(run_dir), GPUS_PER_NODE="2", LAUNCHER=launcher,
-                TRAIN_OVERRIDES=f"{MINI} {overrides}")
+    return dict(
+        PYTHONPATH=str(ROOT),
+        PYTHON=sys.executable,
+        CONFIG=str(ROOT / "examples/tiny_moe_gspo.yaml"),
+        LAUNCH_DIR=str(ROOT / "launch"),
+        RUN_DIR=str(run_dir),
+        GPUS_PER_NODE="2",
+        LAUNCHER=launcher,
+        TRAIN_OVERRIDES=f"{MINI} {overrides}",
+    )
 
 
 def _sbatch_args(launcher: str) -> list[str]:
@@ -99,8 +108,12 @@ class Scenario:
         self.dir = base / name
         self.dir.mkdir(parents=True)
         self.run_dir = self.dir / "run"
-        self.job = cluster.sbatch(ROOT / "launch/train.sbatch", *_sbatch_args(launcher),
-                                  env=_env(self.run_dir, launcher, overrides), cwd=self.dir)
+        self.job = cluster.sbatch(
+            ROOT / "launch/train.sbatch",
+            *_sbatch_args(launcher),
+            env=_env(self.run_dir, launcher, overrides),
+            cwd=self.dir,
+        )
         self.seen: dict = {}
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -114,12 +127,16 @@ class Scenario:
             if got:
                 return got
             if time.time() > deadline:
-                raise AssertionError(f"{self.name} (job {self.job}): no {what} after {timeout}s: "
-                                     f"{self.cluster.job(self.job)}\n{self.output()}")
+                raise AssertionError(
+                    f"{self.name} (job {self.job}): no {what} after {timeout}s: "
+                    f"{self.cluster.job(self.job)}\n{self.output()}"
+                )
             time.sleep(poll)
 
     def output(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.dir.glob("*.out")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.dir.glob("*.out"))
+        )
 
     def logs(self) -> str:
         logs = sorted((self.run_dir / "logs").glob("train-*.log"))
@@ -181,14 +198,33 @@ def scenarios(slurm_cluster, tmp_path_factory):
     started = {}
     try:
         # Two ends for each launcher; the requeue scenarios first (they take longest).
-        started["usr1_batch_torchrun"] = Scenario(slurm_cluster, base, "usr1-batch-torchrun", "torchrun",
-                                                  "trainer.steps=4 trainer.ckpt_every=0", _usr1_requeue("batch"))
-        started["usr1_full_srun"] = Scenario(slurm_cluster, base, "usr1-full-srun", "srun",
-                                             "trainer.steps=4 trainer.ckpt_every=0", _usr1_requeue("full"))
-        started["kill_torchrun"] = Scenario(slurm_cluster, base, "kill-torchrun", "torchrun",
-                                            "trainer.steps=50 trainer.ckpt_every=1", _kill_rank)
-        started["kill_srun"] = Scenario(slurm_cluster, base, "kill-srun", "srun",
-                                        "trainer.steps=50 trainer.ckpt_every=1", _kill_rank)
+        started["usr1_batch_torchrun"] = Scenario(
+            slurm_cluster,
+            base,
+            "usr1-batch-torchrun",
+            "torchrun",
+            "trainer.steps=4 trainer.ckpt_every=0",
+            _usr1_requeue("batch"),
+        )
+        started["usr1_full_srun"] = Scenario(
+            slurm_cluster,
+            base,
+            "usr1-full-srun",
+            "srun",
+            "trainer.steps=4 trainer.ckpt_every=0",
+            _usr1_requeue("full"),
+        )
+        started["kill_torchrun"] = Scenario(
+            slurm_cluster,
+            base,
+            "kill-torchrun",
+            "torchrun",
+            "trainer.steps=50 trainer.ckpt_every=1",
+            _kill_rank,
+        )
+        started["kill_srun"] = Scenario(
+            slurm_cluster, base, "kill-srun", "srun", "trainer.steps=50 trainer.ckpt_every=1", _kill_rank
+        )
         yield started
     finally:
         for s in started.values():
@@ -205,7 +241,9 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes(scenarios, name):
     assert seen["job"]["JobState"] == "COMPLETED" and seen["job"]["Restarts"] == "1", (seen["job"], ctx)
     # The job-completion log: the first start's end (logged as the requeued job's state then) and the last.
     states = [c["JobState"] for c in seen["completions"]]
-    assert len(states) == 2 and states[0] in ("REQUEUED", "PENDING") and states[1] == "COMPLETED", seen["completions"]
+    assert len(states) == 2 and states[0] in ("REQUEUED", "PENDING") and states[1] == "COMPLETED", seen[
+        "completions"
+    ]
     # The first start stopped with a checkpoint (every rank recorded 75) and requeued itself.
     assert f"requeueing job {s.job}" in seen["out"], ctx
     # Both starts' output kept (--open-mode=append), in order.
@@ -213,8 +251,10 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes(scenarios, name):
     assert seen["logs"].count("training node 0") + seen["logs"].count("training rank 0 ") == 2, ctx
     # Resumed at the checkpoint's step: every step once, in order (the stop step is not repeated or skipped).
     _, step = seen["checkpoint"]
-    print(f"{name}: SIGUSR1 -> stop checkpoint {seen['signal_to_checkpoint_s']:.1f} s, requeue -> first resumed step "
-          f"{seen['requeue_to_resumed_step_s']:.1f} s (checkpoint at step {step})")
+    print(
+        f"{name}: SIGUSR1 -> stop checkpoint {seen['signal_to_checkpoint_s']:.1f} s, requeue -> first resumed step "
+        f"{seen['requeue_to_resumed_step_s']:.1f} s (checkpoint at step {step})"
+    )
     # (The trainer notices a signal at a point of its step: it stops after that step or the next one.)
     assert [r["step"] for r in seen["rows"]] == [1, 2, 3, 4], (seen["rows"], ctx)
     assert 1 <= step < 4, seen["checkpoint"]
