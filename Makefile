@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 SGLANG_CONFORMANCE := .venv-sglang-conformance
 SGLANG_CONFORMANCE_STAMP := $(SGLANG_CONFORMANCE)/.installed
 
-.PHONY: install rollout-env sglang-conformance-env test demo lint clean bench-env bench-vs-trl
+.PHONY: install rollout-env sglang-conformance-env slurm-env test demo lint clean bench-env bench-vs-trl
 
 install: $(STAMP)
 
@@ -26,9 +26,15 @@ sglang-conformance-env: $(SGLANG_CONFORMANCE_STAMP)
 $(SGLANG_CONFORMANCE_STAMP): $(STAMP) tools/sglang_conformance_env.sh megatron_gspo/rollout/sglang/versions.py
 	bash tools/sglang_conformance_env.sh
 
+# Debian's slurm-wlm + munge for the real-Slurm launch tests (tests/launch/test_slurm_jobs.py), installed when
+# missing (as root; otherwise one line, and those tests skip). A system package, so no stamp: the script checks.
+slurm-env:
+	bash tools/slurm_env.sh
+
 # The vLLM end-to-end tests (tests/rollout/vllm) start real servers from $(VLLM_VENV); the SGLang conformance test
-# (tests/rollout/sglang/test_conformance.py) runs SGLang's own code from $(SGLANG_CONFORMANCE).
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_CONFORMANCE_STAMP)
+# (tests/rollout/sglang/test_conformance.py) runs SGLang's own code from $(SGLANG_CONFORMANCE); the launch tests
+# run the Slurm scripts under a real one-host Slurm (slurm-env).
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_CONFORMANCE_STAMP) slurm-env
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)

@@ -66,40 +66,41 @@ mg_cleanup_on_exit() {
 # background and pass those signals on while waiting for it (bash runs traps only between commands, and `wait` is
 # interruptible where a foreground command is not).
 
-# pids of the direct children of process $1 (from /proc: no procps needed).
-mg_children() {
-    local stat line
-    local -a fields
-    for stat in /proc/[0-9]*/stat; do
-        line="$(cat "$stat" 2>/dev/null)" || continue
-        read -r -a fields <<<"${line##*) }"  # after "pid (comm) ": state, ppid, ...
-        if [[ "${fields[1]:-}" == "$1" ]]; then
-            local pid="${stat#/proc/}"
-            echo "${pid%/stat}"
-        fi
-    done
-}
-
-# Wait for pid $1 through trapped signals; returns its exit status. (A `wait` cut short by a trapped signal
-# returns > 128 while the process runs on; waiting again then gives its status, or 127 if it had already ended.)
+# Wait for pid $1 through trapped signals; returns its exit status. A `wait` cut short by a trapped signal returns
+# > 128 while the process runs on; so does a process killed by a signal, and bash then answers every later
+# `wait $pid` with that same 128+N (never 127): so wait again only while the process still exists, and once it is
+# gone ask one last time (bash keeps the status of a child it reaped while the trap ran).
 mg_wait() {
     local pid="$1" status=0 again
     wait "$pid" || status=$?
-    while (( status > 128 )); do
+    while (( status > 128 )) && mg_alive "$pid"; do
+        status=0
+        wait "$pid" || status=$?
+    done
+    if (( status > 128 )); then
         again=0
         wait "$pid" 2>/dev/null || again=$?
-        (( again != 127 )) || break
-        status="$again"
-    done
+        (( again == 127 )) || status="$again"
+    fi
     return "$status"
 }
 
-# mg_run_trainer MODE SIGNALS command...: run the command, pass each of SIGNALS (e.g. "USR1 TERM") on as it arrives
-# (MODE direct: to the command itself, e.g. srun, which hands them to its tasks, or a rank's python; MODE children:
-# to its direct children, i.e. torchrun's workers, so torchrun neither dies of USR1 nor kills them 30 s after a
-# TERM). Other stop signals are ignored while it runs. Sets MG_STOP_SIGNAL to the first signal passed on; returns
-# the command's exit status as it is (whether the ranks stopped with a checkpoint, mg_step_status tells from what
-# they recorded). Under DRY_RUN=1 it prints the command.
+# Whether process $1 exists and is not a zombie (a zombie still answers kill -0).
+mg_alive() {
+    local line
+    line="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+    line="${line##*) }"
+    [[ "${line:0:1}" != Z ]]
+}
+
+# mg_run_trainer MODE SIGNALS command...: run the command and wait for it through each of SIGNALS (e.g. "USR1 TERM").
+# MODE direct (the batch script, whose command is srun): pass each signal on to the command as it arrives; srun hands
+# it to its step, where slurmstepd delivers it to every process: task.sh, torchrun, each rank. MODE step (task.sh
+# inside that step): only note it; the trainer got the signal from Slurm already (passing it on again would deliver
+# it twice, the second copy maybe while a rank's interpreter is exiting, with its handlers gone). Other stop signals
+# are ignored while it runs. Sets MG_STOP_SIGNAL to the first signal honoured; returns the command's exit status as
+# it is (whether the ranks stopped with a checkpoint, mg_step_status tells from what they recorded). Under
+# DRY_RUN=1 it prints the command.
 MG_STOP_SIGNAL=""
 mg_run_trainer() {
     local mode="$1" signals="$2"
@@ -110,7 +111,16 @@ mg_run_trainer() {
     fi
     local saved sig status=0
     saved="$(trap -p USR1 TERM)"
-    "$@" &
+    if [[ "$1" != srun ]]; then
+        # torchrun, or a rank, starts with SIGUSR1 ignored: Slurm signals every process of the step (srun
+        # forwarding a signal, `scancel --signal=USR1 --full`), and torchrun has no handler for it (nor has SFT),
+        # so it would die at once, torchrun leaving its workers behind. The ignore survives exec; the workers
+        # inherit it and `train` installs its own handler over it (SFT, which cannot resume, keeps ignoring it).
+        # srun installs its own handlers (it forwards the signal to the step).
+        (trap '' USR1; exec "$@") &
+    else
+        "$@" &
+    fi
     MG_TRAINER_PID=$!
     for sig in USR1 TERM; do
         if [[ " $signals " == *" $sig "* ]]; then
@@ -122,19 +132,23 @@ mg_run_trainer() {
         fi
     done
     mg_wait "$MG_TRAINER_PID" || status=$?
-    trap - USR1 TERM
+    # A stop request that arrives once the trainer has ended means nothing any more (Slurm signals every process
+    # of the step, so copies of one request may still be on their way): ignored, it cannot kill the script
+    # before it reports the trainer's status.
+    trap '' USR1
+    trap - TERM
     eval "$saved"
     return "$status"
 }
 
 mg_pass_signal() {  # mode signal
     [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$2"
-    mg_note "SIG$2: passing it to the trainer (it stops after the current step with a checkpoint)"
-    local -a targets=("$MG_TRAINER_PID")
-    if [[ "$1" == children ]]; then
-        mapfile -t targets < <(mg_children "$MG_TRAINER_PID")
+    if [[ "$1" == direct ]]; then
+        mg_note "SIG$2: passing it to the trainer (it stops after the current step with a checkpoint)"
+        kill -s "$2" "$MG_TRAINER_PID" 2>/dev/null || true
+    else
+        mg_note "SIG$2: Slurm delivers it to every rank of the step (they stop after the current step with a checkpoint)"
     fi
-    [[ ${#targets[@]} -eq 0 ]] || kill -s "$2" "${targets[@]}" 2>/dev/null || true
 }
 
 # A fresh MG_STATUS_DIR for the training step: each rank writes its exit code there (megatron_gspo/cli/main.py).
@@ -145,23 +159,54 @@ mg_new_status_dir() {
 }
 
 # The training step's status from its exit status $1 and what its WORLD_SIZE ranks recorded in MG_STATUS_DIR: 75
-# (stopped for a signal with a checkpoint) only when every rank exited 75 (torchrun reports such workers as
-# failed, 1); a 75 that not every rank confirms is a failure (srun reports the highest code of its tasks: one rank
-# stopping while another failed writing its checkpoint reads 75), 1; any other status stays as it is.
+# (stopped for a signal with a checkpoint) only when every rank recorded 75. Each task reports such a stop to srun
+# as 0 (mg_task_status: `--kill-on-bad-exit` counts 75 as bad and would kill the ranks still writing), and torchrun
+# reports it as 1, so the ranks' own records decide; a 75 that not every rank confirms is a failure (srun reports the
+# highest code of its tasks: one rank stopping while another failed writing its checkpoint reads 75), 1; any other
+# status stays as it is. A failure is reported in one line naming the ranks that recorded no exit (killed) and the
+# signal when a task saw it (LAUNCHER=srun).
 mg_step_status() {
-    local status="$1" rank stopped=0
-    if (( status != 0 )) && [[ -n "${MG_STATUS_DIR:-}" ]]; then
+    local status="$1" rank stopped=0 code
+    local -a lost=()
+    if [[ -n "${MG_STATUS_DIR:-}" ]] && ! mg_is_dry; then
         for ((rank = 0; rank < WORLD_SIZE; rank++)); do
-            [[ "$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" != 75 ]] || stopped=$((stopped + 1))
+            code="$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" || code=""
+            if [[ "$code" == 75 ]]; then
+                stopped=$((stopped + 1))
+            elif [[ -z "$code" ]]; then
+                lost+=("rank $rank$(cat "$MG_STATUS_DIR/signal-$rank" 2>/dev/null)")
+            fi
         done
         if (( stopped == WORLD_SIZE )); then
             status=75
-        elif (( status == 75 )); then
+        elif (( stopped > 0 && (status == 75 || status == 0) )); then
             mg_note "only $stopped of $WORLD_SIZE ranks stopped with a checkpoint (see $LOG_DIR): the step failed" >&2
             status=1
         fi
+        if (( status != 0 && status != 75 && ${#lost[@]} > 0 )); then
+            local names
+            names="$(printf ', %s' "${lost[@]}")"
+            echo "megatron-gspo launch: training failed (exit $status): ${names:2} ended without an exit status (killed by a signal or lost, e.g. out of memory; see $LOG_DIR)" >&2
+        fi
     fi
     echo "$status"
+}
+
+# What a training task tells srun (LAUNCHER=torchrun: the node's GPUS_PER_NODE ranks; srun: rank RANK): 0 when every
+# one of its ranks recorded 75 (stopped with a checkpoint), so that `--kill-on-bad-exit` does not kill the other
+# tasks while they still write theirs (the batch script reads the 75s back in mg_step_status); otherwise $1. A rank
+# the task saw die of a signal (LAUNCHER=srun) gets its signal recorded for mg_step_status's line.
+mg_task_status() {
+    local status="$1" first="$2" count="$3" rank
+    [[ -n "${MG_STATUS_DIR:-}" ]] && ! mg_is_dry || { echo "$status"; return; }
+    if (( status > 128 && count == 1 )) && [[ ! -e "$MG_STATUS_DIR/rank-$first" ]]; then
+        echo " (SIG$(kill -l $((status - 128)) 2>/dev/null || echo $((status - 128))))" >"$MG_STATUS_DIR/signal-$first"
+    fi
+    (( status != 0 )) || { echo 0; return; }
+    for ((rank = first; rank < first + count; rank++)); do
+        [[ "$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" == 75 ]] || { echo "$status"; return; }
+    done
+    echo 0
 }
 
 # After the training step of a `train` job: requeue the job (scontrol requeue) when the trainer stopped with a
@@ -241,16 +286,29 @@ mg_setup_cluster() {
     TRAIN_HOSTS="${MG_HOSTS[*]:0:TRAIN_NODES}"
     ROLLOUT_HOSTS="${MG_HOSTS[*]:TRAIN_NODES}"
     MASTER_ADDR="${MASTER_ADDR:-${MG_HOSTS[0]}}"
+    # MG_PORT_GIVEN: whether MASTER_PORT came from the user (a one-node torchrun step then uses it; otherwise it
+    # runs --standalone, where torchrun binds a port the kernel picks: no collision with other jobs on the node).
+    if [[ -n "${MASTER_PORT:-}" && -z "${MG_PORT_GIVEN:-}" ]]; then MG_PORT_GIVEN=1; fi
+    MG_PORT_GIVEN="${MG_PORT_GIVEN:-0}"
     MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
     WORLD_SIZE=$((TRAIN_NODES * GPUS_PER_NODE))
-    export NNODES GPUS_PER_NODE ROLLOUT_NODES TRAIN_NODES TRAIN_HOSTS ROLLOUT_HOSTS MASTER_ADDR MASTER_PORT WORLD_SIZE
+    export NNODES GPUS_PER_NODE ROLLOUT_NODES TRAIN_NODES TRAIN_HOSTS ROLLOUT_HOSTS MASTER_ADDR MASTER_PORT WORLD_SIZE \
+        MG_PORT_GIVEN
 }
 
 # Environment for training ranks (NCCL/GLOO interfaces, Megatron's single CUDA connection for comm/compute ordering).
 mg_setup_env() {
     export CUDA_DEVICE_MAX_CONNECTIONS=1
     export PYTHONUNBUFFERED=1
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+    # One share of the CPUs Slurm granted on this node per rank (not a fixed 8: eight ranks x 8 threads on a node
+    # granted 16 CPUs oversubscribe it four times); outside Slurm, of this machine's CPUs.
+    if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+        local cpus="${SLURM_CPUS_ON_NODE:-$(nproc 2>/dev/null || echo 1)}" ranks="${GPUS_PER_NODE:-1}"
+        [[ "$cpus" =~ ^[0-9]+$ ]] || cpus=1
+        [[ "$ranks" =~ ^[0-9]+$ && "$ranks" -ge 1 ]] || ranks=1
+        OMP_NUM_THREADS=$(( cpus / ranks > 0 ? cpus / ranks : 1 ))
+    fi
+    export OMP_NUM_THREADS
     export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
     export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
     if [[ -n "${NET_IFACE:-}" ]]; then

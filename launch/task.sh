@@ -82,10 +82,16 @@ mg_task_train() {
         # shellcheck disable=SC2206  # TORCHRUN may hold an interpreter and a module
         local -a torchrun=(${TORCHRUN:-$python -m torch.distributed.run})
         local status=0
-        mg_run_trainer children "$(mg_stop_signals)" "${torchrun[@]}" --nnodes="$TRAIN_NODES" \
-            --nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" \
-            --master-port="$MASTER_PORT" "${MG_ARGS[@]}" || status=$?
+        local -a rendezvous=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
+        if [[ "$TRAIN_NODES" == 1 && "${MG_PORT_GIVEN:-0}" != 1 ]]; then
+            # One node: torchrun binds a port of the kernel's choosing itself (a port fixed in advance can be
+            # taken by another job on a shared node: EADDRINUSE). MASTER_PORT=... pins one.
+            rendezvous=(--standalone)
+        fi
+        mg_run_trainer step "$(mg_stop_signals)" "${torchrun[@]}" --nnodes="$TRAIN_NODES" \
+            --nproc-per-node="$GPUS_PER_NODE" "${rendezvous[@]}" "${MG_ARGS[@]}" || status=$?
         mg_stop_bg
+        mg_is_dry || status="$(mg_task_status "$status" $((NODE_RANK * GPUS_PER_NODE)) "$GPUS_PER_NODE")"
         return "$status"
         ;;
     srun)
@@ -99,7 +105,8 @@ mg_task_train() {
         mg_note "training rank $RANK on node $NODE_RANK ($host)"
         mg_print_vars RANK LOCAL_RANK NODE_RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
         local status=0
-        mg_run_trainer direct "$(mg_stop_signals)" "$python" "${MG_ARGS[@]}" || status=$?
+        mg_run_trainer step "$(mg_stop_signals)" "$python" "${MG_ARGS[@]}" || status=$?
+        mg_is_dry || status="$(mg_task_status "$status" "$RANK" 1)"
         return "$status"
         ;;
     *) mg_die "LAUNCHER=${LAUNCHER} must be torchrun or srun" ;;

@@ -23,9 +23,11 @@ import io
 import multiprocessing.forkserver
 import os
 import pickle
+import random
 import socket
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,9 +35,38 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free at the moment of the call (for servers that take a port number; racy by nature: the port is
+    released before the server binds it. The ranks of run_distributed do not use it: see held_stores)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Consecutive rendezvous stores run_distributed holds for its ranks: a test whose ranks start one process group
+# after another moves to MASTER_PORT + 1, + 2, ... (a new group cannot reuse a destroyed group's store).
+STORES = 8
+
+
+def held_stores(count: int = STORES) -> list:
+    """`count` TCPStore servers on consecutive loopback ports, bound here and held until the caller drops them.
+
+    The ranks connect to them as clients (TORCHELASTIC_USE_AGENT_STORE=True: what torchrun's workers do with the
+    agent's store), so no port is ever picked, released and bound again later: a test beside other jobs on the same
+    host (another test session, a torchrun job) cannot lose its rendezvous port to them (EADDRINUSE)."""
+    from torch.distributed import TCPStore
+
+    rng = random.Random()
+    for _ in range(200):
+        # Below the kernel's ephemeral range (32768-60999): outgoing connections never take these on their own.
+        base = rng.randrange(10000, 32000 - count)
+        stores = []
+        try:
+            for port in range(base, base + count):
+                stores.append(TCPStore("127.0.0.1", port, None, True, timedelta(seconds=300), wait_for_workers=False))
+            return stores
+        except (RuntimeError, OSError):  # taken: try elsewhere (what was bound is released with the list)
+            del stores
+    raise RuntimeError(f"no {count} consecutive free ports in 10000..32000 for the ranks' rendezvous")
 
 
 # What a forked rank needs anyway: importing it once in the fork server saves it in every rank.
@@ -90,6 +121,7 @@ def _child(rank: int, world_size: int, port: int, environ: dict, call: bytes, fo
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent holds the store on MASTER_PORT (held_stores)
     )
     torch.set_num_threads(1)
     try:
@@ -116,12 +148,14 @@ def run_distributed(
     `start_method="spawn"`: fresh interpreters (each with its own string-hash seed), as under torchrun.
 
     `fn` must be importable (module level). The ranks see the usual torchrun environment variables
-    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so production code initialises exactly as under torchrun.
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so production code initialises exactly as under torchrun; as
+    under torchrun the rendezvous store is held by the launcher (here, this process: held_stores), not rank 0.
     """
     ctx = _context(start_method)
     forked = ctx.get_start_method() == "forkserver"
     queue = ctx.Queue()
-    port = free_port()
+    stores = held_stores()  # dropped (closed) when this call returns, after every rank has ended
+    port = stores[0].port
     call = pickle.dumps((fn, args, kwargs))
     environ = dict(os.environ)
     procs = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.checkpoint_ranks import disk_full_on_one_rank, save_events
-from tests.distributed import free_port, run_distributed
+from tests.distributed import run_distributed
 from tests.training.test_end_to_end import MINI, ROOT, _env
 
 
@@ -191,7 +191,9 @@ def test_a_really_full_file_system_is_one_line_and_the_run_resumes(tmp_path, siz
     checkpoint on the same file system."""
     launch = [sys.executable, "-m", "megatron_gspo.cli.main"]
     if nproc > 1:
-        launch[2:2] = ["torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m"]
+        # --standalone: torchrun binds a port of the kernel's choosing itself (a port picked here and bound later
+        # by torchrun can be taken in between by another job on the host: EADDRINUSE).
+        launch[2:2] = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m"]
     args = " ".join(["--config examples/tiny_moe_gspo.yaml", *MINI[1:], "trainer.run_dir=$FS/run", extra])
     train = f"{' '.join(launch)} train {args}"
     out = tmp_path / "out"

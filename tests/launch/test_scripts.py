@@ -1,5 +1,7 @@
 """launch/ scripts: syntax, and dry runs in a fake Slurm environment (stub `scontrol` on PATH) checking the
-node / rank arithmetic and the exact command lines."""
+node / rank arithmetic and the exact command lines. The fake stays because a real Slurm on one host cannot express
+these cases (4-6 nodes of 8 GPUs, rollout nodes, multi-node rank arithmetic); what one host can run, the scripts do
+under a real Slurm in test_slurm_jobs.py."""
 
 from __future__ import annotations
 
@@ -481,3 +483,13 @@ def test_overrides_are_valid_run_config_keys(slurm):
     assert sglang.mode == "attach" and sglang.colocated and sglang.return_routed_experts
     assert sglang.weight_sync == "disk" and sglang.weight_sync_dir.endswith("/weight_sync")
     assert sglang.urls == [f"http://a:{30000 + i}" for i in range(8)]
+
+
+def test_one_node_torchrun_binds_its_own_port(slurm):
+    # One node: no port picked in advance (another job on a shared node could take it first); --standalone lets
+    # torchrun bind one the kernel picks. A MASTER_PORT the user sets is used as given.
+    one = dict(FOUR_NODES, SLURM_JOB_NODELIST="gpu001", SLURM_NNODES="1")
+    (cmd,) = slurm("train.sbatch", CONFIG="gspo.yaml", **one).find("torch.distributed.run")
+    assert "--standalone" in cmd and not any(a.startswith("--master-port") for a in cmd), cmd
+    (cmd,) = slurm("train.sbatch", CONFIG="gspo.yaml", MASTER_PORT="23456", **one).find("torch.distributed.run")
+    assert "--standalone" not in cmd and flag(cmd, "--master-port") == "23456", cmd

@@ -1,10 +1,13 @@
-"""launch/: stop signals and requeue. Real (non-dry) runs against stubs: `srun` runs the tasks locally and passes
-signals on (as Slurm's does), `python` plays torchrun with one worker per GPU that records the signals it gets and
-exits 75 (the trainer's "stopped with a checkpoint"; USR1_EXITS sets other codes per rank), recording its code in
-$MG_STATUS_DIR as the trainer does, `scontrol` records requeue requests."""
+"""launch/: stop signals and requeue, every combination of rank exit codes, against stand-ins that behave as the
+real ones do (see SRUN below): `srun` runs the tasks locally, delivers a signal to every process of each task and
+honours --kill-on-bad-exit; `python` plays torchrun (no SIGUSR1 handler) with one worker per GPU that records the
+signals it gets and exits 75 (the trainer's "stopped with a checkpoint"; USR1_EXITS sets other codes per rank),
+recording its code in $MG_STATUS_DIR as the trainer does; `scontrol` records requeue requests. The same paths under
+a real Slurm: test_slurm_jobs.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,17 +18,24 @@ import pytest
 
 from tests.launch.test_scripts import FOUR_NODES, LAUNCH, SCONTROL
 
+# What a real srun / slurmstepd does, as observed under Slurm 22.05 (launch/README.md "Signals"): a signal srun
+# receives goes to EVERY process of the step (each task's whole process tree, torchrun and its workers included),
+# not only to the task's first process; with --kill-on-bad-exit=1 the first task that exits non-zero (75 included)
+# gets the others killed. The real-Slurm tests (test_slurm_jobs.py) check the scripts under the real thing; these
+# stand-ins stay for the cases those cannot reach quickly (every combination of rank exit codes).
 SRUN = f"""#!{sys.executable}
-import os, signal, subprocess, sys
+import os, signal, subprocess, sys, time
 args, opts = sys.argv[1:], {{}}
 while args and args[0].startswith("--"):
     key, _, value = args.pop(0)[2:].partition("=")
     opts[key] = value
 current = []
-def forward(sig, frame):  # srun hands the signals it receives to its tasks
+def forward(sig, frame):  # to every process of the step: each task runs in a process group of its own
     for p in current:
-        if p.poll() is None:
-            p.send_signal(sig)
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
 signal.signal(signal.SIGUSR1, forward)
 signal.signal(signal.SIGTERM, forward)
 nodes = int(opts.get("nodes", 1))
@@ -34,30 +44,56 @@ per_node = int(opts.get("ntasks-per-node", 1))
 for task in range(ntasks):  # the tasks run side by side, as under Slurm
     env = dict(os.environ, SLURM_NODEID=str(task // per_node), SLURM_PROCID=str(task),
                SLURM_LOCALID=str(task % per_node), SLURM_NTASKS=str(ntasks))
-    current.append(subprocess.Popen(args, env=env))
-sys.exit(max(p.wait() for p in current))  # Slurm's srun: the highest exit code of its tasks
+    current.append(subprocess.Popen(args, env=env, process_group=0))
+codes = {{}}
+while len(codes) < len(current):
+    for p in current:
+        if p.pid not in codes and p.poll() is not None:
+            codes[p.pid] = p.returncode if p.returncode >= 0 else 128 - p.returncode
+            if codes[p.pid] != 0 and opts.get("kill-on-bad-exit") == "1":
+                open(os.environ["LOG"], "a").write(f"srun killed the step: a task exited {{codes[p.pid]}}\\n")
+                for q in current:
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGKILL)
+    time.sleep(0.02)
+sys.exit(max(codes.values()))  # Slurm's srun: the highest exit code of its tasks
 """
 
-WORKER = """#!/bin/bash
+WORKER = f"""#!{sys.executable}
 # A training rank: stops "after the step" on USR1 / TERM with exit 75 (on USR1: the RANK-th code of USR1_EXITS,
 # e.g. 1 for a full disk while writing the checkpoint, 0 for a run that ended anyway), recorded like the trainer.
-RANK_TAG="${RANK:-${SLURM_PROCID:-0}}"
-read -r -a codes <<<"${USR1_EXITS:-75 75}"
-stop() { echo "worker $RANK_TAG got $1" >> "$LOG"; echo "$2" > "$MG_STATUS_DIR/rank-$RANK_TAG"; exit "$2"; }
-trap 'stop USR1 "${codes[RANK_TAG]}"' USR1
-if [[ "${MG_SUBCOMMAND:-train}" == sft ]]; then  # SFT has no stop handler: SIGTERM kills it
-    trap 'echo "worker $RANK_TAG got TERM" >> "$LOG"; trap - TERM; kill -TERM $$' TERM
-else
-    trap 'stop TERM 75' TERM
-fi
-echo "worker $RANK_TAG started" >> "$LOG"
-while :; do sleep 0.05; done
+# Python, like the trainer: it installs its handlers over an inherited ignore (a bash script cannot).
+import os, signal, sys, time
+rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+codes = os.environ.get("USR1_EXITS", "75 75").split()
+def log(text):
+    with open(os.environ["LOG"], "a") as f:
+        f.write(text + "\\n")
+def stop(name, code):
+    log(f"worker {{rank}} got {{name}}")
+    with open(os.path.join(os.environ["MG_STATUS_DIR"], f"rank-{{rank}}"), "w") as f:
+        f.write(f"{{code}}\\n")
+    sys.exit(code)
+sft = os.environ.get("MG_SUBCOMMAND", "train") == "sft"
+if not sft:  # SFT installs no USR1 handler (what it inherited stays)
+    signal.signal(signal.SIGUSR1, lambda *_: stop("USR1", int(codes[int(rank)])))
+def term(*_):
+    if sft:  # SFT has no stop handler: SIGTERM kills it
+        log(f"worker {{rank}} got TERM")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    stop("TERM", 75)
+signal.signal(signal.SIGTERM, term)
+log(f"worker {{rank}} started")
+while True:
+    time.sleep(0.05)
 """
 
 TORCHRUN = """#!/bin/bash
 # Plays `python -m torch.distributed.run ...`: one worker per GPU (RANK set); a failed worker fails torchrun (exit 1).
+# Like torchrun it has no SIGUSR1 handler: a SIGUSR1 that is not ignored kills it (the test then finds no "launcher
+# exited" line).
 echo "launcher $*" >> "$LOG"
-trap 'echo "launcher got USR1" >> "$LOG"' USR1
 trap 'echo "launcher got TERM" >> "$LOG"' TERM
 nproc=1
 for arg in "$@"; do [[ "$arg" != --nproc-per-node=* ]] || nproc="${arg#*=}"; done
@@ -70,6 +106,7 @@ for pid in "${pids[@]}"; do
     while (( status > 128 )) && kill -0 "$pid" 2>/dev/null; do status=0; wait "$pid" || status=$?; done
     (( status == 0 )) || failed=1
 done
+echo "launcher exited $failed" >> "$LOG"
 exit "$failed"
 """
 
@@ -130,7 +167,10 @@ def test_usr1_before_the_time_limit_stops_the_ranks_and_requeues(job, launcher):
     events = log.read_text().splitlines()
     assert status == 75, out
     assert "worker 0 got USR1" in events and "worker 1 got USR1" in events  # one rank per GPU: both
-    assert "launcher got USR1" not in events and "launcher got TERM" not in events  # torchrun is left alone
+    assert "launcher got TERM" not in events  # torchrun is left alone
+    if launcher == "torchrun":  # it got the step's SIGUSR1 too, ignored it, and reported its workers' end
+        assert "launcher exited 1" in events, events
+    assert not any(e.startswith("srun killed") for e in events), events  # a 75 is not a bad exit
     assert "scontrol requeue 7" in events
     assert "requeueing job 7" in out
 
@@ -145,8 +185,12 @@ def test_only_a_stop_with_a_checkpoint_on_every_rank_requeues(job, launcher, exi
     proc.send_signal(signal.SIGUSR1)
     status, out = _finish(proc)
     events = log.read_text().splitlines()
-    assert "worker 0 got USR1" in events and "worker 1 got USR1" in events, out
-    assert status == expected, out
+    # A rank that exits 1 first gets the other killed (--kill-on-bad-exit), maybe before it logged its USR1.
+    assert "worker 0 got USR1" in events or "worker 1 got USR1" in events, out
+    if expected:  # a failed rank gets the other one killed (srun --kill-on-bad-exit): 1, or srun's 137
+        assert status not in (0, 75), out
+    else:
+        assert status == 0, out
     assert not any(e.startswith("scontrol") for e in events), out
 
 
@@ -191,3 +235,43 @@ def test_a_requeued_job_resumes(tmp_path):
 def test_the_job_asks_for_the_early_signal_and_is_requeueable():
     header = [line for line in Path(LAUNCH / "train.sbatch").read_text().splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --signal=B:USR1@600" in header and "#SBATCH --requeue" in header
+
+
+def test_waiting_for_a_process_killed_by_a_signal_returns():
+    # bash answers every later `wait $pid` of a signal-killed child with the same 128+N (never 127): mg_wait once
+    # looped on that forever, and a LAUNCHER=srun rank that was OOM-killed or segfaulted hung its job.
+    script = f"""source {LAUNCH}/common.sh
+sleep 30 & pid=$!
+kill -USR1 $pid
+status=0; mg_wait $pid || status=$?
+echo "status $status"
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20)
+    assert proc.stdout.strip() == "status 138", proc.stdout + proc.stderr
+
+
+def test_waiting_through_a_trapped_signal_returns_the_exit_status():
+    # The other side of mg_wait: a trap cutting the wait short (> 128 while the process runs on) is not its end.
+    script = f"""source {LAUNCH}/common.sh
+trap 'echo trapped' USR1
+(sleep 1; exit 7) & pid=$!
+(sleep 0.3; kill -USR1 $$) &
+status=0; mg_wait $pid || status=$?
+echo "status $status"
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20)
+    assert proc.stdout.split() == ["trapped", "status", "7"], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("cpus, gpus, expected", [("16", "8", "2"), ("2", "2", "1"), ("4", "8", "1"), (None, "1", None)])
+def test_omp_threads_follow_the_cpus_slurm_granted(cpus, gpus, expected):
+    # One share of the node's granted CPUs per rank (it was 8 whatever Slurm granted); a value set by the user wins.
+    env = {"PATH": "/usr/bin:/bin", "GPUS_PER_NODE": gpus, **({"SLURM_CPUS_ON_NODE": cpus} if cpus else {})}
+    if expected is None:  # outside Slurm: this machine's CPUs
+        expected = str(max(1, (os.cpu_count() or 1) // int(gpus)))
+    show = f"source {LAUNCH}/common.sh; mg_setup_env; echo $OMP_NUM_THREADS"
+    got = subprocess.run(["bash", "-c", show], env=env, capture_output=True, text=True, timeout=20).stdout.strip()
+    assert got == expected
+    got = subprocess.run(["bash", "-c", show], env={**env, "OMP_NUM_THREADS": "3"}, capture_output=True, text=True,
+                         timeout=20).stdout.strip()
+    assert got == "3"

@@ -39,8 +39,10 @@ def _env():
 def _train(run_dir, extra=(), nproc=1, resume=False, popen=False):
     base = [sys.executable, "-m", "megatron_gspo.cli.main"]
     if nproc > 1:
-        base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                str(29500 + os.getpid() % 1000), "-m", "megatron_gspo.cli.main"]
+        # --standalone: torchrun binds a port of the kernel's choosing itself, so runs beside other jobs on the
+        # host cannot collide on a port picked in advance (EADDRINUSE).
+        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+                "megatron_gspo.cli.main"]
     cmd = base + ["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI, f"trainer.run_dir={run_dir}", *extra]
     if resume:
         cmd.append("--resume")
