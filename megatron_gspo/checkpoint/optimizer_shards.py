@@ -27,8 +27,10 @@ replica only. Host memory and bytes written: the rank's own shard, once (a host 
 Loading (no communication): each rank rebuilds its shard, one local parameter piece at a time: every saved chunk
 of the same key whose global box meets the piece's is unflattened into its old local tensor and the overlap is
 copied into the new local tensor, then the new flat range is taken -- so TP splits on any dimension (a flat range
-of a row-parallel weight is not contiguous globally) and any DP / PP / EP change work. The files are memory-mapped:
-host memory is bounded by a few copies of the largest local parameter piece, plus the page cache.
+of a row-parallel weight is not contiguous globally) and any DP / PP / EP change work. The files are memory-mapped
+and every box is narrowed to the whole rows its flat range covers (`_narrow`): beyond the optimizer, a load holds
+one parameter's shard (a copy per state, for megatron's setter) and one saved chunk at a time, each widened by at
+most two rows, plus the page cache.
 """
 
 from __future__ import annotations
