@@ -1,18 +1,22 @@
-"""The optimizer state of a trainer checkpoint, as a megatron `dist_checkpointing` checkpoint that any layout loads.
+"""The optimizer state of a trainer checkpoint, which any layout loads.
 
-    optimizer/        dist_checkpointing (torch_dist) of `optimizer.sharded_state_dict(model_sharded_state_dict)`,
+    optimizer/        distributed optimizer (optim.distributed=true, the default): per-rank shard files
+                      (checkpoint/optimizer_shards.py) -- `rank_<r>.pt`, each rank's own fp32 masters and Adam
+                      moments, written by every rank in parallel, and `distributed.pt` (rank 0: param groups,
+                      grad scaler, LR schedule)
+                      plain optimizer: dist_checkpointing (torch_dist) of `optimizer.sharded_state_dict(...)`,
                       plus the LR schedule (a common, rank-0 entry)
 
-Every optimizer tensor (fp32 master weight, Adam exp_avg / exp_avg_sq) is stored under its model tensor's global
-key (`optimizer.state.exp_avg.<model key>`), sharded exactly like it, so resharding over TP / EP / PP works as for
-the model. With megatron's DistributedOptimizer the `fully_reshardable` format with `mem_efficient` (SHARDED_METADATA;
-megatron-core 0.16.1's default `fully_sharded_model_space` fails there: "flattened_range is not supported")
-gathers each data-parallel group's optimizer state onto its DP rank 0 (over gloo, in host memory), which writes
-it with the model tensor's replica id: every element is written once, so nothing is duplicated across
-data-parallel replicas, and a load in another DP size reads what its ranks own now. The cost at scale: DP rank 0
-holds its group's whole optimizer state in host memory while saving, and every rank builds its model-parallel
-shard's full state in host memory while loading. `chained_optim_avoid_prefix` keeps the keys free of the dense / expert sub-optimizer
-index (megatron-LM's choice for new checkpoints), so they do not depend on how parameters are grouped.
+The distributed optimizer's files are bounded by each rank's shard (host memory and bytes written) and reshard
+over TP / PP / EP / DP on load; why not one of megatron's own formats: checkpoint/optimizer_shards.py. Earlier
+checkpoints of the distributed optimizer (megatron's `fully_reshardable` format with `mem_efficient`, which
+gathered each data-parallel group's state onto its DP rank 0 in host memory) are still read: an `optimizer/`
+without `distributed.pt` is loaded as before.
+
+The plain optimizer's tensors (fp32 master weight, Adam exp_avg / exp_avg_sq) are stored under their model
+tensor's global key (`optimizer.state.exp_avg.<model key>`), sharded exactly like it, so resharding over TP / PP
+works as for the model (every DP rank holds the whole state; its replica 0 writes). `chained_optim_avoid_prefix`
+keeps the keys free of the dense / expert sub-optimizer index (megatron-LM's choice for new checkpoints).
 
 Loading: megatron's `load_state_dict` of each optimizer copies the loaded fp32 masters into its main params (and,
 for bf16, does not touch the model copy: the caller's model load has put the weights there), so masters resume
@@ -27,6 +31,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.dist_io import dist_save, quiet_dcp, rank0, require_dist
 from megatron_gspo.checkpoint.model_io import model_sharded_state_dict, use_stored_names
+from megatron_gspo.checkpoint.optimizer_shards import COMMON_FILE, load_shards, read_common, write_shards
 from megatron_gspo.errors import describe
 
 OPTIMIZER_DIR = "optimizer"
@@ -35,7 +40,8 @@ SHARDED_METADATA = {
     "distrib_optim_fully_reshardable_mem_efficient": True,
     "chained_optim_avoid_prefix": True,
 }
-"""How megatron builds the optimizer's sharded state dict (read by DistributedOptimizer / ChainedOptimizer)."""
+"""How megatron builds the optimizer's sharded state dict (read by DistributedOptimizer / ChainedOptimizer): for
+the plain optimizer, and to read a distributed optimizer's checkpoint of the earlier format."""
 _GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")
 """What identifies a param group in any layout (megatron's `param_group_identifier_keys` less `is_expert_parallel`,
 which is true for expert params only when EP > 1)."""
@@ -56,29 +62,32 @@ def _is_distributed(optimizer) -> bool:
 
 def write_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path, *, asynchronous: bool = False):
     """Writes `path/optimizer/` (all ranks call; the caller manages `path` and its atomic rename). `asynchronous`:
-    returns the AsyncRequest that writes its tensors (checkpoint/dist_io.py `dist_save`), else None.
+    returns the AsyncRequest that writes the plain optimizer's tensors (checkpoint/dist_io.py `dist_save`), else
+    None.
 
-    Distributed optimizer: each sub-optimizer's parameter state (megatron's `fully_reshardable` tensors, keyed by
-    the model's global keys) under `param_state.<i>`, and the param groups of all sub-optimizers (hyperparameters
-    and Adam's step) as one common list, so a layout with another split into dense / expert sub-optimizers (EP=1
-    has one, EP>1 two) finds its groups. The `mem_efficient` exchange gathers each DP group's shards over gloo on
-    its DP rank 0 in host memory (no device memory beyond the shards), which alone writes them: one copy of each
-    element. The plain optimizer (optim.distributed=false) is stored as megatron builds it (every DP rank holds
-    the whole state; its replica 0 writes): it reshards over TP / PP / DP, but its state is keyed by sub-optimizer
-    and megatron splits off an expert optimizer for EP > 1 only, so the trainer refuses an EP change for it."""
+    Distributed optimizer: every rank writes its own shard now, from host copies, with no communication but a
+    final agreement (checkpoint/optimizer_shards.py), and rank 0 the param groups of all sub-optimizers
+    (hyperparameters and Adam's step) as one list, so a layout with another split into dense / expert
+    sub-optimizers (EP=1 has one, EP>1 two) finds its groups; with `asynchronous` too (None is returned: only the
+    model's tensors go to the background writer). The plain optimizer (optim.distributed=false) is stored as
+    megatron builds it (every DP rank holds the whole state; its replica 0 writes): it reshards over TP / PP / DP,
+    but its state is keyed by sub-optimizer and megatron splits off an expert optimizer for EP > 1 only, so the
+    trainer refuses an EP change for it."""
     require_dist()
     root = Path(path) / OPTIMIZER_DIR
     _initialise_optimizer_state(optimizer)  # a checkpoint before the first step
-    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=False, metadata=SHARDED_METADATA)
-    if _is_distributed(optimizer):
-        parts = _parts(sharded, optimizer)
-        param_state = {str(i): p["param_state"] for i, p in enumerate(parts) if p["param_state"] is not None}
-        groups = [g for p in parts for g in p["optimizer"]["param_groups"]]
-        state = {"format": "distributed", "param_state": param_state, "param_groups": groups,
-                 "grad_scaler": [p.get("grad_scaler") for p in parts], "scheduler": scheduler.state_dict()}
-    else:
-        state = {"format": "plain", "optimizer": sharded, "scheduler": scheduler.state_dict()}
     rank0(lambda: root.mkdir(parents=True, exist_ok=True), f"creating {root}")
+    if _is_distributed(optimizer):
+        subs = getattr(optimizer, "chained_optimizers", [optimizer])
+        states = [sub.state_dict() for sub in subs]  # param groups and grad scaler: no parameter state
+        common = {"format": "distributed", "param_groups": [g for s in states for g in s["optimizer"]["param_groups"]],
+                  "grad_scaler": [s.get("grad_scaler") for s in states], "scheduler": scheduler.state_dict()}
+        # Each rank's own shard, written now from host copies (checkpoint/optimizer_shards.py); an asynchronous
+        # save leaves only the model's tensors to the background writer.
+        write_shards(optimizer, model_sharded_state_dict(chunks), root, common)
+        return None
+    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=False, metadata=SHARDED_METADATA)
+    state = {"format": "plain", "optimizer": sharded, "scheduler": scheduler.state_dict()}
     return dist_save(state, str(root), asynchronous=asynchronous)
 
 
@@ -117,9 +126,12 @@ def load_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None:
 
     require_dist()
     root = Path(path) / OPTIMIZER_DIR
-    if not (root / "metadata.json").is_file():
-        raise ValueError(f"optimizer checkpoint {root} is missing (no metadata.json)")
     distributed = _is_distributed(optimizer)
+    if (root / COMMON_FILE).is_file():
+        _load_shard_format(chunks, optimizer, scheduler, root, distributed)
+        return
+    if not (root / "metadata.json").is_file():
+        raise ValueError(f"optimizer checkpoint {root} is missing (neither {COMMON_FILE} nor metadata.json)")
     _initialise_optimizer_state(optimizer)
     try:
         with quiet_dcp():
@@ -156,6 +168,32 @@ def load_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None:
             optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])
     except (KeyError, TypeError, ValueError, RuntimeError, AssertionError) as err:
+        raise ValueError(f"optimizer checkpoint {root} does not fit this run: {describe(err)}") from err
+
+
+def _load_shard_format(chunks, optimizer, scheduler, root: Path, distributed: bool) -> None:
+    """Loads the per-rank shard format (checkpoint/optimizer_shards.py): param groups, grad scaler and schedule
+    from `distributed.pt`, then each rank's shard from the shard files, resharded to this layout."""
+    common = read_common(root)
+    if not distributed:
+        raise ValueError(f"optimizer checkpoint {root} holds the distributed optimizer's state but this run uses the "
+                         "plain one: set optim.distributed=true")
+    _initialise_optimizer_state(optimizer)
+    try:
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+            state = sub.state_dict()
+            state["optimizer"]["param_groups"] = [
+                _saved_group(group, common["param_groups"], root) for group in state["optimizer"]["param_groups"]
+            ]
+            scalers = [s for s in common["grad_scaler"] if s is not None]
+            if scalers:
+                state["grad_scaler"] = scalers[0]
+            sub.load_state_dict(state)
+        load_shards(optimizer, model_sharded_state_dict(chunks), root, int(common["world_size"]))
+        scheduler.load_state_dict(common["scheduler"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AssertionError) as err:
+        if isinstance(err, ValueError) and str(root) in str(err):
+            raise
         raise ValueError(f"optimizer checkpoint {root} does not fit this run: {describe(err)}") from err
 
 

@@ -2,9 +2,12 @@
 
   config.json, megatron_gspo.json, model/   the model, as a megatron dist_checkpointing checkpoint
                                             (checkpoint/model_io.py; loadable by any layout, convertible to HF)
-  optimizer/                                optimizer state (fp32 masters, Adam moments) and LR schedule, as a
-                                            dist_checkpointing checkpoint (checkpoint/optimizer_io.py): every
-                                            element once, by the rank that owns it; loadable by any layout
+  optimizer/                                optimizer state (fp32 masters, Adam moments) and LR schedule
+                                            (checkpoint/optimizer_io.py): the distributed optimizer's as one
+                                            shard file per rank, each written by its rank in parallel
+                                            (checkpoint/optimizer_shards.py), the plain one's as a
+                                            dist_checkpointing checkpoint; every element once; loadable by any
+                                            layout
   rng/rank_00000.pt                         python / numpy / torch / megatron tracker RNG states of each rank
   run_config.yaml                           the resolved run config (what --resume compares against)
 
@@ -155,6 +158,7 @@ def load_trainer_contents(path: Path, rt, *, same_layout: bool = True) -> None:
 
 
 def rank_files(path: Path, world_size: int) -> list[Path]:
-    """Files every complete checkpoint of `world_size` ranks has (beside trainer_state.json)."""
+    """Files every complete checkpoint of `world_size` ranks has (beside trainer_state.json; the optimizer's
+    depend on its kind: checkpoint/optimizer_io.py)."""
     per_rank = [path / "rng" / f"rank_{r:05d}.pt" for r in range(world_size)]
-    return [path / "model" / "metadata.json", path / "optimizer" / "metadata.json", path / "config.json", *per_rank]
+    return [path / "model" / "metadata.json", path / "config.json", *per_rank]

@@ -202,7 +202,7 @@ def failing_start(on_rank: int):
 def failing_writers(run_dir: str, cases, extra=()) -> list[dict]:
     """Checkpoint 1 completes; then, for each `(rank, what)` case in turn on the same trainer, checkpoint N fails on
     `rank` (`writer`: its writers hit ENOSPC; `killed`: one of them is SIGKILLed; `writer-killed`: megatron's writer is; `start`: the start of its writer
-    fails; otherwise a full disk for the finalize file `what`) and checkpoint N+1 must work. What every rank saw,
+    fails; otherwise a full disk for the file `what`) and checkpoint N+1 must work. What every rank saw,
     per case."""
     import torch.distributed as dist
 
@@ -224,7 +224,8 @@ def failing_writers(run_dir: str, cases, extra=()) -> list[dict]:
                 failing.enter_context(failing_start(fail_on_rank))
             elif what in ("writer", "killed", "writer-killed"):
                 failing = slow_writers(1.0, fail_on_rank=fail_on_rank, pid_file=pid_file, how=what)
-            else:  # a file rank 0 writes in megatron's finalize functions, before a collective: a full disk for it
+            else:  # a full disk for one file: rank 0's in megatron's finalize functions, before a collective, or
+                # one of the distributed optimizer's files
                 failing = full_disk_here(what) if dist.get_rank() == fail_on_rank else contextlib.nullcontext()
             with failing:
                 try:

@@ -48,10 +48,12 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_pa
 
 # (rank, what fails): its writers (ENOSPC inside megatron's writer), one of its per-file writer processes (SIGKILL,
 # as from the OOM killer: megatron's writer would wait for it forever), megatron's writer itself (SIGKILL), the
-# start of its writer (staging), or a file rank 0 alone writes in megatron's finalize functions, each followed by a
-# collective (a broadcast, a barrier) that a raising rank 0 would skip: the other rank would wait there forever.
+# start of its writer (staging), a file rank 0 alone writes in megatron's finalize functions, each followed by a
+# collective (a broadcast, a barrier) that a raising rank 0 would skip: the other rank would wait there forever,
+# or the distributed optimizer's files, which each rank writes before the background part starts (rank 1's shard,
+# rank 0's common file).
 FAILURES = [(0, "writer"), (1, "writer"), (1, "killed"), (0, "writer-killed"), (1, "start"), (0, "model/.metadata"),
-            (0, "optimizer/metadata.json")]
+            (0, "model/metadata.json"), (1, "optimizer/rank_00001.pt"), (0, "optimizer/distributed.pt")]
 CAUSES = {  # what the one-line error must say (default: "No space left on device")
     "start": ["MemoryError: staging the checkpoint tensors"],
     "killed": ["a checkpoint file writer process (pid", "was killed by SIGKILL"],

@@ -29,21 +29,37 @@ def overwrite_middle(path: Path, byte: int, n: int = 4096) -> None:
 
 
 def overwrite_tensor_bytes(shard: Path, byte: int, n: int = 4096) -> None:
-    """Writes n copies of `byte` into the middle of the largest tensor's bytes in the DCP file `shard` (its size
-    unchanged): the tensor data, not the serialization around it, which torch would find damaged by itself."""
+    """Writes n copies of `byte` into the middle of the largest tensor's bytes in the DCP file or torch.save file
+    (`.pt`) `shard` (its size unchanged): the tensor data, not the serialization around it, which torch would find
+    damaged by itself."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    items = [
-        i
-        for i in FileSystemReader(str(shard.parent)).read_metadata().storage_data.values()
-        if i.relative_path == shard.name
-    ]
+    if shard.suffix == ".pt":
+        _overwrite_zip_tensor_bytes(shard, byte, n)
+        return
+    items = [i for i in FileSystemReader(str(shard.parent)).read_metadata().storage_data.values()
+             if i.relative_path == shard.name]
     largest = max(items, key=lambda i: i.length)
     assert largest.length > 4 * n, largest
     data = bytearray(shard.read_bytes())
     start = largest.offset + largest.length // 2
     data[start : start + n] = bytes([byte]) * n
     shard.write_bytes(bytes(data))
+
+
+def _overwrite_zip_tensor_bytes(path: Path, byte: int, n: int) -> None:
+    """The same for a torch.save file: a zip archive whose tensor storages are stored uncompressed (`data/<k>`)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        largest = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    assert largest.file_size > 4 * n and largest.compress_type == zipfile.ZIP_STORED, largest
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[largest.header_offset + 26 : largest.header_offset + 30])
+    start = largest.header_offset + 30 + name_len + extra_len + largest.file_size // 2
+    data[start : start + n] = bytes([byte]) * n
+    path.write_bytes(bytes(data))
 
 
 def _two_rank_checkpoint(root: Path) -> Path:

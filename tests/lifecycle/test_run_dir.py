@@ -131,12 +131,12 @@ def test_damaged_checkpoint_files_are_one_line_in_train_convert_and_model_load(r
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={tmp_path / 'new'}", f"model.load={ckpt}", ok=False))
     assert f"{ckpt / 'model'} is unreadable or corrupt" in line
     earlier = run / "checkpoints" / "iter_0000002"
-    (optimizer,) = (earlier / "optimizer").glob("*.distcp")
+    (optimizer,) = (earlier / "optimizer").glob("rank_*.pt")  # the distributed optimizer's shard (one rank)
     _damage(optimizer)
     (run / "checkpoints" / "latest").write_text("iter_0000002\n")
     shutil.rmtree(ckpt)
     line = _one_line_error(_cli(*TRAIN, f"trainer.run_dir={run}", "--resume", ok=False))
-    assert f"optimizer checkpoint {earlier / 'optimizer'} is unreadable or corrupt" in line
+    assert f"optimizer checkpoint file {optimizer} is unreadable or corrupt" in line
 
 
 @pytest.mark.parametrize("byte", [0x00, 0xFF])
@@ -146,7 +146,7 @@ def test_changed_bytes_in_model_and_optimizer_shards_are_refused_and_resume_fall
     --resume falls back to the newest checkpoint whose files are intact, warning about each damaged one."""
     ckpts = run / "checkpoints"
     model_shard = ckpts / "iter_0000003" / "model" / "__0_0.distcp"
-    optimizer_shard = ckpts / "iter_0000002" / "optimizer" / "__0_0.distcp"
+    optimizer_shard = ckpts / "iter_0000002" / "optimizer" / "rank_00000.pt"
     overwrite_tensor_bytes(model_shard, byte)
     overwrite_tensor_bytes(optimizer_shard, byte)
     damaged = "is damaged: its bytes changed"
