@@ -130,8 +130,9 @@ class HFCheckpointReader(Mapping):
         self.max_open_shards = max(1, max_open_shards)
         if not self.dir.is_dir():
             raise FileNotFoundError(f"Hugging Face checkpoint directory {self.dir} does not exist")
-        # A directory megatron-gspo wrote carries an integrity record: changed bytes are named before reading.
-        integrity.verify(self.dir, collective=False)
+        # A directory megatron-gspo wrote carries an integrity record: changed bytes are named before reading. Only
+        # the weights (model*.safetensors and their index): users edit config.json and tokenizer files by hand.
+        integrity.verify(self.dir, ("model",), collective=False)
         index = self.dir / INDEX_NAME
         if index.is_file():
             try:

@@ -112,18 +112,40 @@ class CheckpointManager:
         """`point`, or, when one of its files fails the integrity record (integrity.py; all ranks check a share),
         the newest earlier checkpoint whose files pass, with a warning naming the damaged file, as for a missing
         `latest`. Each earlier candidate goes through `accept` (raises when this run may not continue it). With no
-        intact checkpoint left the damage is the error (CheckpointDamaged, exit 2)."""
+        intact checkpoint left the damage is the error (CheckpointDamaged, exit 2).
+
+        The damaged checkpoints passed over are set aside as `iter_N.damaged` (kept for inspection, never read or
+        pruned): left in place they would count as this run's newest checkpoints, so pruning after the next save
+        would delete that save and keep them, and a later save of the same step would collide with them."""
+        damaged: list[Path] = []
         while point is not None:
             try:
                 verify(point[0])
-                return point
+                break
             except CheckpointDamaged as err:
                 older = [c for c in self.checkpoints() if c[1]["step"] < point[1]["step"]]
                 if not older:
                     raise
                 log.warning("%s: resuming from the checkpoint before it, %s", err, older[-1][0].name)
+                damaged.append(point[0])
                 point = accept(*older[-1])
-        return None
+        if damaged:
+            self._set_aside(damaged)
+        return point
+
+    def _set_aside(self, paths: list[Path]) -> None:
+        """Renames damaged checkpoints to `iter_N.damaged` (rank 0; every rank waits for it)."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for path in paths:
+                target = path.with_name(f"{path.name}.damaged")
+                n = 1
+                while target.exists():
+                    target, n = path.with_name(f"{path.name}.damaged{n}"), n + 1
+                os.replace(path, target)
+                fsync_path(self.root)
+                log.warning("%s set aside as %s (damaged)", path, target.name)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
     def find_latest(self) -> tuple[Path, dict] | None:
         """The newest complete checkpoint and its trainer state (None when there is none).

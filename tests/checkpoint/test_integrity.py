@@ -169,3 +169,42 @@ def test_convert_names_a_truncated_safetensors_file_in_one_line(tmp_path):
     (line,) = [x for x in res.stderr.strip().splitlines() if "error" in x]
     assert f"{shard} is not a readable safetensors file" in line and "truncated" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_checkpoint_passed_over_is_set_aside_so_pruning_keeps_the_next_save(tmp_path):
+    # Left in place, a damaged newer checkpoint counts as the run's newest: with keep_last=1 the first save after
+    # the fallback was pruned and the damaged one kept, losing everything at the next --resume.
+    from megatron_gspo.checkpoint.manager import CheckpointManager
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        ck = _two_rank_checkpoint(root / f"iter_{step:07d}")
+        (ck / "trainer_state.json").write_text(json.dumps({"step": step, "run_id": "r"}))
+    (root / "latest").write_text("iter_0000002")
+    overwrite_middle(root / "iter_0000002" / "model" / "__1_0.distcp", 0x00)
+    manager = CheckpointManager(root, keep_last=1, run_id="r")
+    point = manager.intact(manager.find_latest(), lambda path, state: (path, state))
+    assert point[0].name == "iter_0000001"
+    assert [p.name for p, _ in manager.checkpoints()] == ["iter_0000001"]
+    assert (root / "iter_0000002.damaged" / "model" / "__1_0.distcp").is_file()
+    # The resumed run's next checkpoint (step 2 again) is then the newest and survives pruning.
+    ck = _two_rank_checkpoint(root / "iter_0000002")
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 2, "run_id": "r"}))
+    manager._prune()
+    assert [p.name for p, _ in manager.checkpoints()] == ["iter_0000002"]
+
+
+def test_an_hf_directory_with_an_edited_config_still_reads_but_not_with_changed_weights(tmp_path):
+    # Users edit config.json (rope scaling, token ids) in an exported directory: only the weights are checked.
+    from megatron_gspo.checkpoint.hf_io import HFCheckpointReader
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (hf / "config.json").write_text("{}")
+    integrity.record_all_files(hf)
+    (hf / "config.json").write_text('{"rope_scaling": null}')
+    assert integrity.verify(hf, ("model",), collective=False) is True
+    overwrite_middle(hf / "model.safetensors", 0xFF)
+    with pytest.raises(integrity.CheckpointDamaged, match="model.safetensors is damaged"):
+        HFCheckpointReader(hf)

@@ -20,6 +20,8 @@ import logging
 import subprocess
 from dataclasses import dataclass
 
+from megatron_gspo.errors import RunFailure
+
 logger = logging.getLogger(__name__)
 
 PROBE = (
@@ -96,8 +98,9 @@ def probe_python(python: str, who: str, timeout_s: float = 300.0) -> NcclSide:
     return parse_report(who, done.stdout)
 
 
-class NcclVersionMismatch(RuntimeError):
-    """The trainer and the rollout servers load different NCCL releases: their NCCL group cannot form."""
+class NcclVersionMismatch(RunFailure):
+    """The trainer and the rollout servers load different NCCL releases: their NCCL group cannot form. A RunFailure:
+    the CLI prints its one line as it is (as a RuntimeError mentioning NCCL it read as a failed collective)."""
 
 
 def check_same_nccl(trainer: NcclSide, servers: NcclSide, *, setting: str, file_transports: str) -> None:

@@ -107,3 +107,15 @@ def test_the_probe_runs_in_a_real_interpreter():
     side = nccl_versions.probe_python(sys.executable, "this environment")
     here = nccl_versions.this_side("this environment")
     assert side == here and side.torch.startswith("2.")
+
+
+def test_the_cli_prints_a_mismatch_as_it_is_not_as_a_failed_collective(capsys):
+    # As a RuntimeError whose text mentions NCCL, the CLI called it "a collective failed ... another rank failed".
+    from megatron_gspo.cli.main import run_command
+
+    def command(args):
+        raise NcclVersionMismatch("sglang.weight_sync=distributed cannot work: NCCL 2.29.7 vs NCCL 2.30.7")
+
+    assert run_command(command, None) == 1
+    err = capsys.readouterr().err
+    assert err == "megatron-gspo: error: sglang.weight_sync=distributed cannot work: NCCL 2.29.7 vs NCCL 2.30.7\n"
