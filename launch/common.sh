@@ -164,7 +164,7 @@ mg_new_status_dir() {
 # reports it as 1, so the ranks' own records decide; a 75 that not every rank confirms is a failure (srun reports the
 # highest code of its tasks: one rank stopping while another failed writing its checkpoint reads 75), 1; any other
 # status stays as it is. A failure is reported in one line naming the ranks that recorded no exit (killed) and the
-# signal when a task saw it (LAUNCHER=srun).
+# signal when a task saw it (LAUNCHER=srun) or torchrun's report in the node log names it (LAUNCHER=torchrun).
 mg_step_status() {
     local status="$1" rank stopped=0 code
     local -a lost=()
@@ -174,7 +174,7 @@ mg_step_status() {
             if [[ "$code" == 75 ]]; then
                 stopped=$((stopped + 1))
             elif [[ -z "$code" ]]; then
-                lost+=("rank $rank$(cat "$MG_STATUS_DIR/signal-$rank" 2>/dev/null)")
+                lost+=("rank $rank$(cat "$MG_STATUS_DIR/signal-$rank" 2>/dev/null || mg_torchrun_signal "$rank")")
             fi
         done
         if (( stopped == WORLD_SIZE )); then
@@ -190,6 +190,19 @@ mg_step_status() {
         fi
     fi
     echo "$status"
+}
+
+# The signal torchrun recorded for global rank $1 in this job's node logs (its failure report: "rank : 1
+# (local_rank: 1)" then "exitcode : -9 (pid: ...)"; the last report wins, as requeued starts append), printed as
+# " (SIGKILL)"; nothing when there is none (LAUNCHER=srun: the task records the signal itself).
+mg_torchrun_signal() {
+    [[ "${LAUNCHER:-torchrun}" == torchrun ]] || return 1
+    local sig
+    sig="$(awk -v r="$1" '$1 == "rank" && $2 == ":" && $3 == r { hit = 1; next }
+        hit && $1 == "exitcode" { sig = ($3 ~ /^-[0-9]+$/) ? -$3 : ""; hit = 0 }
+        END { print sig }' "$LOG_DIR"/train-"${SLURM_JOB_ID:-local}"-node*.log 2>/dev/null)"
+    [[ -n "$sig" ]] || return 1
+    echo " (SIG$(kill -l "$sig" 2>/dev/null || echo "$sig"))"
 }
 
 # What a training task tells srun (LAUNCHER=torchrun: the node's GPUS_PER_NODE ranks; srun: rank RANK): 0 when every

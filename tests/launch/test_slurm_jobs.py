@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -25,23 +26,28 @@ MINI = (
 JOB_TIMEOUT = 420  # seconds a scenario may take in all (two starts of a job on a busy 2-core machine)
 
 
-def _env(run_dir: Path, launcher: str, overrides: str) -> dict:
+def _env(run_dir: Path, launcher: str, overrides: str, ranks: int = 2, **extra: str) -> dict:
     # The job runs this checkout's code (PYTHONPATH: not whatever the environment's editable install points at).
     return dict(
+        extra,
         PYTHONPATH=str(ROOT),
         PYTHON=sys.executable,
         CONFIG=str(ROOT / "examples/tiny_moe_gspo.yaml"),
         LAUNCH_DIR=str(ROOT / "launch"),
         RUN_DIR=str(run_dir),
-        GPUS_PER_NODE="2",
+        GPUS_PER_NODE=str(ranks),
         LAUNCHER=launcher,
         TRAIN_OVERRIDES=f"{MINI} {overrides}",
     )
 
 
-def _sbatch_args(launcher: str) -> list[str]:
-    # --exclusive=user: the script's --exclusive would run the jobs one after the other; 2 CPUs per job.
-    per = ["--cpus-per-task=2"] if launcher == "torchrun" else ["--ntasks-per-node=2", "--cpus-per-task=1"]
+def _sbatch_args(launcher: str, ranks: int = 2) -> list[str]:
+    # --exclusive=user: the script's --exclusive would run the jobs one after the other; one CPU per rank.
+    per = (
+        [f"--cpus-per-task={ranks}"]
+        if launcher == "torchrun"
+        else [f"--ntasks-per-node={ranks}", "--cpus-per-task=1"]
+    )
     return ["--exclusive=user", *per]
 
 
@@ -103,21 +109,26 @@ class Scenario:
     """One job driven in a thread: submitted at once, then signalled when its condition holds; `seen` collects
     what happened (job records, logs, metrics, timings) for the test to check."""
 
-    def __init__(self, cluster, base: Path, name: str, launcher: str, overrides: str, drive):
+    def __init__(
+        self, cluster, base: Path, name: str, launcher: str, overrides: str, drive, ranks: int = 2, **env: str
+    ):
         self.cluster, self.name, self.launcher, self.drive = cluster, name, launcher, drive
         self.dir = base / name
         self.dir.mkdir(parents=True)
         self.run_dir = self.dir / "run"
         self.job = cluster.sbatch(
             ROOT / "launch/train.sbatch",
-            *_sbatch_args(launcher),
-            env=_env(self.run_dir, launcher, overrides),
+            *_sbatch_args(launcher, ranks),
+            env=_env(self.run_dir, launcher, overrides, ranks, **env),
             cwd=self.dir,
         )
         self.seen: dict = {}
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def cancel(self):
+        self.cluster.run("scancel", "--full", self.job, check=False)
 
     def until(self, what: str, cond, timeout: float = JOB_TIMEOUT, poll: float = 0.2):
         """Polls cond() until it returns something truthy; returns it (fails after timeout)."""
@@ -191,6 +202,124 @@ def _kill_rank(s: Scenario):
     s.seen["end"] = s.cluster.wait(s.job, timeout=120)
 
 
+def _gone(s: Scenario, timeout: float = 90):
+    """Waits until no process of the job is left (a cancelled job's state is final while its processes still end)."""
+    try:
+        s.until("end of the job's processes", lambda: not _job_processes(s.job), timeout=timeout)
+    except AssertionError:
+        pass  # the test reports what is left
+
+
+def _scancel_term(s: Scenario):
+    """Plain `scancel <job>` (SIGTERM to every process of the job) after the first step: the trainer checkpoints and
+    exits, the job ends CANCELLED and is not requeued."""
+    s.until("first step", lambda: _rows(s.run_dir))
+    s.cluster.run("scancel", s.job)
+    s.seen["end"] = s.cluster.wait(s.job, timeout=120)
+    _gone(s)
+    s.seen["checkpoint"] = _latest(s.run_dir)
+
+
+def _scontrol_requeue(s: Scenario):
+    """`scontrol requeue <job>` of the running job after the first step (Slurm terminates it with SIGTERM and
+    queues it again): the first start checkpoints, the second resumes from it (SLURM_RESTART_COUNT -> --resume)."""
+    s.until("first step", lambda: _rows(s.run_dir))
+    s.cluster.run("scontrol", "requeue", s.job)
+    s.until("requeue", lambda: int(s.cluster.job(s.job).get("Restarts", "0")) >= 1, poll=0.1)
+    s.seen["checkpoint"] = s.until("stop checkpoint", lambda: _latest(s.run_dir), timeout=120)
+    s.cluster.wait(s.job, timeout=JOB_TIMEOUT)
+    _gone(s)
+
+
+def _to_the_end(s: Scenario):
+    s.seen["end"] = s.cluster.wait(s.job, timeout=JOB_TIMEOUT)
+    _gone(s)
+
+
+HF_TINY = """
+import sys, torch
+from transformers import Qwen3MoeForCausalLM
+from megatron_gspo.models.config import preset
+torch.manual_seed(0)
+Qwen3MoeForCausalLM(preset("tiny", vocab_size=16).to_hf_config()).save_pretrained(sys.argv[1], max_shard_size="1MB")
+"""
+
+
+class Pipeline(Scenario):
+    """launch/pipeline.sh (PIPELINE_MODE=sbatch) from a random tiny HF Qwen3-MoE: convert -> sft -> sft_export -> rl
+    -> export, five jobs chained with afterok, each followed to its end state."""
+
+    def __init__(self, cluster, base: Path, name: str):
+        self.cluster, self.name, self.launcher = cluster, name, "torchrun"
+        self.dir = base / name
+        self.dir.mkdir(parents=True)
+        self.run_dir = self.dir / "work" / "rl"
+        self.job, self.jobs = "pipeline", {}
+        self.seen, self.error = {}, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def output(self) -> str:
+        logs = sorted((self.dir / "work" / "logs").glob("*.out"))
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in logs)
+
+    def cancel(self):
+        for job in self.jobs.values():
+            self.cluster.run("scancel", "--full", job, check=False)
+
+    def _run(self):
+        try:
+            hf = self.dir / "tiny-hf"
+            env = {**self.cluster.env, "PYTHONPATH": str(ROOT)}
+            res = subprocess.run(
+                [sys.executable, "-c", HF_TINY, str(hf)], env=env, capture_output=True, text=True, timeout=300
+            )
+            assert res.returncode == 0, res.stderr[-3000:]
+            config = str(ROOT / "examples/tiny_moe_gspo.yaml")
+            res = self.cluster.run(
+                "bash",
+                str(ROOT / "launch/pipeline.sh"),
+                cwd=self.dir,
+                env={
+                    **env,
+                    "PYTHON": sys.executable,
+                    "LAUNCH_DIR": str(ROOT / "launch"),
+                    "HF_MODEL": str(hf),
+                    "WORK_DIR": str(self.dir / "work"),
+                    "SFT_CONFIG": config,
+                    "RL_CONFIG": config,
+                    "EP": "1",
+                    "CONVERT_GPUS": "1",
+                    "SFT_ROLLOUT_MODE": "none",
+                    "RL_ROLLOUT_MODE": "none",
+                    "GPUS_PER_NODE": "1",
+                    "LAUNCHER": "torchrun",
+                    "SBATCH_ARGS": "--exclusive=user --cpus-per-task=1",
+                    "TRAIN_OVERRIDES": f"{MINI} trainer.steps=2 sft.max_steps=2 sft.eval_every=2 "
+                    "sft.eval_prompts=4 sft.batch_size=8",
+                },
+            )
+            self.seen["submit"] = res.stdout + res.stderr
+            for line in res.stdout.splitlines():
+                if line.startswith("submitted "):
+                    step, job = line[len("submitted ") :].split(": job ")
+                    self.jobs[step] = job.strip()
+            ends = {}
+            for step, job in self.jobs.items():  # in order: each waits on the one before (afterok)
+                ends[step] = self.cluster.wait(job, timeout=JOB_TIMEOUT)
+            self.seen["ends"] = ends
+            self.seen["completions"] = {
+                step: self.cluster.completions(job) for step, job in self.jobs.items()
+            }
+            self.seen["out"] = self.output()
+            self.seen["left"] = {
+                job: _job_processes(job) for job in self.jobs.values() if _job_processes(job)
+            }
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test
+            self.error = err
+            self.cancel()
+
+
 @pytest.fixture(scope="module")
 def scenarios(slurm_cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("slurm-jobs")
@@ -214,6 +343,14 @@ def scenarios(slurm_cluster, tmp_path_factory):
             "trainer.steps=4 trainer.ckpt_every=0",
             _usr1_requeue("full"),
         )
+        started["scontrol_requeue_srun"] = Scenario(
+            slurm_cluster,
+            base,
+            "scontrol-requeue-srun",
+            "srun",
+            "trainer.steps=4 trainer.ckpt_every=0",
+            _scontrol_requeue,
+        )
         started["kill_torchrun"] = Scenario(
             slurm_cluster,
             base,
@@ -225,10 +362,31 @@ def scenarios(slurm_cluster, tmp_path_factory):
         started["kill_srun"] = Scenario(
             slurm_cluster, base, "kill-srun", "srun", "trainer.steps=50 trainer.ckpt_every=1", _kill_rank
         )
+        # One-rank torchrun jobs (1 CPU each): RL stopped by a plain scancel, and SFT (MG_SUBCOMMAND=sft) to its end.
+        started["scancel_term_torchrun1"] = Scenario(
+            slurm_cluster,
+            base,
+            "scancel-term-torchrun1",
+            "torchrun",
+            "trainer.steps=50 trainer.ckpt_every=0",
+            _scancel_term,
+            ranks=1,
+        )
+        started["sft_torchrun1"] = Scenario(
+            slurm_cluster,
+            base,
+            "sft-torchrun1",
+            "torchrun",
+            "sft.max_steps=2 sft.eval_every=2 sft.eval_prompts=4 sft.batch_size=8",
+            _to_the_end,
+            ranks=1,
+            MG_SUBCOMMAND="sft",
+        )
+        started["pipeline"] = Pipeline(slurm_cluster, base, "pipeline")
         yield started
     finally:
         for s in started.values():
-            slurm_cluster.run("scancel", "--full", s.job, check=False)
+            s.cancel()
 
 
 @pytest.mark.parametrize("name", ["usr1_batch_torchrun", "usr1_full_srun"])
@@ -272,10 +430,75 @@ def test_a_killed_rank_fails_the_job(scenarios, name):
     lines = [line for line in seen["out"].splitlines() if "training failed" in line]
     assert len(lines) == 1 and "rank 1" in lines[0], ctx
     print(f"{name}: {lines[0]}")
-    if s.launcher == "srun":  # the task saw its rank die of the signal
-        assert "rank 1 (SIGKILL)" in lines[0], lines
-    else:  # torchrun names it in its own one line
-        assert "exitcode: -9" in seen["logs"], ctx
+    # The signal: the srun task saw its rank die of it; torchrun's failure report in the node log names it.
+    assert "rank 1 (SIGKILL)" in lines[0], lines
     # The last complete checkpoint is untouched: `latest` still names a complete one.
     assert _latest(s.run_dir) is not None and _latest(s.run_dir)[1] >= seen["checkpoint"][1]
+    assert not seen["left"], seen["left"]
+
+
+def test_scontrol_requeue_restarts_and_resumes(scenarios):
+    s = scenarios["scontrol_requeue_srun"]
+    seen = s.result()
+    ctx = f"{seen['out']}\n{seen['logs']}"
+    assert seen["job"]["JobState"] == "COMPLETED" and seen["job"]["Restarts"] == "1", (seen["job"], ctx)
+    states = [c["JobState"] for c in seen["completions"]]
+    assert len(states) == 2 and states[0] in ("REQUEUED", "PENDING") and states[1] == "COMPLETED", seen[
+        "completions"
+    ]
+    # Slurm requeued it (SIGTERM): the batch script must not requeue it a second time itself.
+    assert f"requeueing job {s.job}" not in seen["out"], ctx
+    assert seen["out"].index(f"job {s.job}, start 1") < seen["out"].index(f"job {s.job}, start 2"), ctx
+    assert seen["logs"].count("training rank 0 ") == 2, ctx
+    _, step = seen["checkpoint"]
+    assert 1 <= step < 4, seen["checkpoint"]
+    # Resumed from the SIGTERM checkpoint (no periodic ones: ckpt_every=0): every step once, in order.
+    assert [r["step"] for r in seen["rows"]] == [1, 2, 3, 4], (seen["rows"], ctx)
+    assert not seen["left"], seen["left"]
+
+
+def test_plain_scancel_checkpoints_and_cancels_without_requeue(scenarios):
+    s = scenarios["scancel_term_torchrun1"]
+    seen = s.result()
+    ctx = f"{seen['out']}\n{seen['logs']}"
+    assert seen["job"]["JobState"] == "CANCELLED" and seen["job"]["Restarts"] == "0", (seen["job"], ctx)
+    assert [c["JobState"] for c in seen["completions"]] == ["CANCELLED"], seen["completions"]
+    assert f"requeueing job {s.job}" not in seen["out"], ctx
+    # The stop checkpoint (ckpt_every=0: the only one) is complete and at a step the metrics reached.
+    assert seen["checkpoint"] is not None, ctx
+    steps = [r["step"] for r in seen["rows"]]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= seen["checkpoint"][1] <= steps[-1] < 50, (
+        steps,
+        ctx,
+    )
+    assert not seen["left"], seen["left"]
+
+
+def test_sft_under_torchrun_one_rank_completes(scenarios):
+    s = scenarios["sft_torchrun1"]
+    seen = s.result()
+    ctx = f"{seen['out']}\n{seen['logs']}"
+    assert seen["job"]["JobState"] == "COMPLETED" and seen["job"]["Restarts"] == "0", (seen["job"], ctx)
+    assert [c["JobState"] for c in seen["completions"]] == ["COMPLETED"], seen["completions"]
+    assert "megatron-gspo sft: 1 training node(s) x 1 GPUs" in seen["out"], ctx
+    assert (s.run_dir / "sft_model" / "config.json").is_file(), ctx
+    assert "OMP_NUM_THREADS=1" in seen["out"], ctx
+    assert not seen["left"], seen["left"]
+
+
+def test_pipeline_chain_of_jobs_completes(scenarios):
+    s = scenarios["pipeline"]
+    seen = s.result()
+    ctx = f"{seen['submit']}\n{seen['out']}"
+    assert list(s.jobs) == ["convert", "sft", "sft_export", "rl", "export"], ctx
+    for step, end in seen["ends"].items():
+        assert end["JobState"] == "COMPLETED" and end["Restarts"] == "0", (step, end, ctx)
+        assert [c["JobState"] for c in seen["completions"][step]] == ["COMPLETED"], (
+            step,
+            seen["completions"],
+        )
+    work = s.dir / "work"
+    for model in ("megatron-base", "sft-model", "sft-hf", "final-hf"):
+        assert (work / model / "config.json").is_file(), (model, ctx)
+    assert _latest(work / "rl") is not None and _latest(work / "rl")[1] == 2, ctx
     assert not seen["left"], seen["left"]
