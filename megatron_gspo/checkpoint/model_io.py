@@ -150,7 +150,7 @@ SPEC_ALIASES = (
 EXTRA_STATE = "_extra_state"
 
 
-def _spec_alias(key: str) -> str | None:
+def spec_alias(key: str) -> str | None:
     """The other spec's name of sharded key `key`, or None."""
     for local, te in SPEC_ALIASES:
         for mine, other in ((local, te), (te, local)):
@@ -171,7 +171,7 @@ def _use_stored_names(sharded: dict, stored: set[str]) -> None:
         key = getattr(item, "key", None)
         if key is None or key in stored:
             continue
-        alias = _spec_alias(key)
+        alias = spec_alias(key)
         if alias is not None and alias in stored:
             item.key = alias
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megatron_gspo.checkpoint.dist_io import dist_save, quiet_dcp, rank0, require_dist
@@ -173,7 +174,25 @@ def load_optimizer_checkpoint(chunks, optimizer, scheduler, path: Path) -> None:
 
 def _load_shard_format(chunks, optimizer, scheduler, root: Path, distributed: bool) -> None:
     """Loads the per-rank shard format (checkpoint/optimizer_shards.py): param groups, grad scaler and schedule
-    from `distributed.pt`, then each rank's shard from the shard files, resharded to this layout."""
+    from `distributed.pt`, then each rank's shard from the shard files, resharded to this layout. Every rank
+    learns whether every rank loaded (one all-gather): a rank that failed alone would leave the others to wait
+    in the next collective until parallel.timeout_s; instead each raises the first failing rank's one line."""
+    error = None
+    try:
+        _load_shards_here(chunks, optimizer, scheduler, root, distributed)
+    except ValueError as err:
+        error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, None if error is None else str(error))
+        failed = [(r, line) for r, line in enumerate(everyone) if line is not None]
+        if failed and error is None:
+            raise ValueError(f"{failed[0][1]} (on rank {failed[0][0]})")
+    if error is not None:
+        raise error
+
+
+def _load_shards_here(chunks, optimizer, scheduler, root: Path, distributed: bool) -> None:
     common = read_common(root)
     if not distributed:
         raise ValueError(f"optimizer checkpoint {root} holds the distributed optimizer's state but this run uses the "

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checkpoint.model_io import spec_alias
 from megatron_gspo.errors import RankFailed, describe
 
 COMMON_FILE = "distributed.pt"
@@ -280,9 +281,11 @@ def load_shards(optimizer, model_sharded: dict, root: Path, world_size: int) -> 
     after the param groups are loaded, which allocates the optimizer state)."""
     saved = _saved_chunks(root, world_size)
     for sub, p, st, a, b, at in _owned(optimizer, model_sharded, for_saving=False):
-        if st.key not in saved:
+        # A checkpoint of the other layer spec (local on CPU, TE on GPU) names a few tensors differently.
+        key = st.key if st.key in saved else spec_alias(st.key)
+        if key not in saved:
             raise ValueError(f"optimizer checkpoint {root} has no optimizer state for {st.key}")
-        values = _piece_values(st, a, b, saved[st.key], root)
+        values = _piece_values(st, a, b, saved[key], root)
         current = sub._get_main_param_and_optimizer_states(p)
         # Through megatron's setter (a precision-aware optimizer scales on set), which sets whole shards: this
         # parameter's shard with the piece's range replaced; the other entries (torch Adam's step) as they are.

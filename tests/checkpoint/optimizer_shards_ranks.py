@@ -83,6 +83,22 @@ def save_shards_and_reload(root: str) -> dict:
         earlier = full_optimizer_state(chunks3, opt3)
         earlier_equal = all(torch.equal(earlier[k][n], v) for k in ("param", "exp_avg", "exp_avg_sq")
                             for n, v in saved[k].items()) and earlier["step"] == [1]
+        # A load that fails on one rank only fails on every rank, in one line naming it: the other rank must not
+        # go on alone into the next collective.
+        from megatron_gspo.checkpoint import optimizer_io
+
+        real_load, alone = optimizer_io.load_shards, None
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise ValueError(f"optimizer checkpoint {root} cannot be read here")
+
+            optimizer_io.load_shards = broken
+        try:
+            load_optimizer_checkpoint(chunks2, opt2, sched2, Path(root))
+        except ValueError as err:
+            alone = str(err)
+        finally:
+            optimizer_io.load_shards = real_load
         dist.barrier()
         missing = None
         if rank == 0 and (opt_dir / "rank_00001.pt").is_file():
@@ -93,6 +109,7 @@ def save_shards_and_reload(root: str) -> dict:
         except ValueError as err:
             missing = str(err)
         return dict(mine=mine, state=3 * 4 * total, held=held_by_save, equal=equal, missing=missing, earlier=earlier_equal,
+                    alone=alone,
                     moments=max(v.abs().max().item() for v in saved["exp_avg"].values()))
     finally:
         distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero = gather

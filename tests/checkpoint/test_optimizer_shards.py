@@ -31,6 +31,8 @@ def test_each_rank_writes_only_its_own_shard_and_it_loads_back(tmp_path):
         # Half of the state each, plus per-chunk descriptions; the old format: rank 0 ~100%, rank 1 ~0%.
         assert 0.4 * state < r["mine"] < 0.6 * state, (r["mine"], state)
         assert r["missing"] is not None and "rank_00001.pt" in r["missing"] and "\n" not in r["missing"]
+    assert ranks[1]["alone"].endswith(f"{tmp_path / 'ckpt'} cannot be read here") and "\n" not in ranks[1]["alone"]
+    assert ranks[0]["alone"] == ranks[1]["alone"] + " (on rank 1)"
 
 
 def _chunks_of(full: torch.Tensor, key: str, split_dim: int | None, parts: int, ranges: int) -> list[dict]:
