@@ -5,7 +5,7 @@
 # Without root (a developer machine) it says so in one line and leaves the Slurm tests to skip; under CI=true (CI
 # runs as root on a fresh machine) a missing install is an error.
 set -euo pipefail
-need=(slurmctld slurmd sbatch scontrol munged)
+need=(slurmctld slurmd sbatch scontrol scancel munged)
 missing=()
 for prog in "${need[@]}"; do
     command -v "$prog" >/dev/null 2>&1 || [[ -x "/usr/sbin/$prog" ]] || missing+=("$prog")
@@ -20,5 +20,6 @@ fi
 command -v apt-get >/dev/null 2>&1 || { echo "slurm-env: no apt-get: install Slurm and munge by hand (${missing[*]} missing)" >&2; exit 1; }
 echo "slurm-env: installing slurm-wlm and munge (missing: ${missing[*]})"
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
-apt-get install -y -q slurm-wlm munge
+# A fresh machine's boot-time apt run (cloud-init, unattended upgrades) may hold dpkg's lock: wait for it.
+apt-get -o DPkg::Lock::Timeout=600 update -q
+apt-get -o DPkg::Lock::Timeout=600 install -y -q slurm-wlm munge
