@@ -29,13 +29,16 @@ mg_run() {
 }
 
 # Start a command in the background (its pid is appended to MG_BG_PIDS), or print it with a trailing '&'.
+# It starts with SIGUSR1 ignored: Slurm signals every process of the step (the early stop signal srun forwards,
+# `scancel --signal=USR1 --full`), and a rollout server or router (SGLang has no SIGUSR1 handler) would die of the
+# signal that asks the trainer to checkpoint, failing the step instead of requeueing it.
 MG_BG_PIDS=()
 mg_run_bg() {
     local log="$1"; shift
     if mg_is_dry; then
         echo "$(mg_show "$@") > $(printf '%q' "$log") 2>&1 &"
     else
-        "$@" >"$log" 2>&1 &
+        (trap '' USR1; exec "$@") >"$log" 2>&1 &
         MG_BG_PIDS+=("$!")
     fi
 }

@@ -74,10 +74,14 @@ mg_task_train() {
         mg_note "training node $NODE_RANK ($host): ranks $((NODE_RANK * GPUS_PER_NODE))..$(((NODE_RANK + 1) * GPUS_PER_NODE - 1))"
         mg_print_vars NODE_RANK MASTER_ADDR MASTER_PORT WORLD_SIZE
         if [[ "${ROLLOUT_MODE:-none}" == colocated ]]; then
+            # While the colocated servers start (up to minutes), this task too rides out a SIGUSR1 (it reaches every
+            # process of the step); the trainer, started below, is what answers it.
+            trap '' USR1
             mg_is_dry || mg_cleanup_on_exit
             mg_sglang_defaults
             mg_start_sglang_node "$host" 1
             mg_wait_healthy "$(mg_sglang_urls "$host")"
+            trap - USR1
         fi
         # shellcheck disable=SC2206  # TORCHRUN may hold an interpreter and a module
         local -a torchrun=(${TORCHRUN:-$python -m torch.distributed.run})

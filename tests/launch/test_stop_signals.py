@@ -250,6 +250,22 @@ echo "status $status"
     assert proc.stdout.strip() == "status 138", proc.stdout + proc.stderr
 
 
+def test_background_processes_ride_out_the_stop_signal():
+    # Slurm signals every process of the step: colocated rollout servers and the router (started with mg_run_bg)
+    # died of the SIGUSR1 meant for the trainer, failing the step instead of requeueing it.
+    script = f"""source {LAUNCH}/common.sh
+mg_run_bg /dev/null sleep 30
+pid=${{MG_BG_PIDS[0]}}
+sleep 0.5
+kill -USR1 $pid
+sleep 0.5
+if kill -0 $pid 2>/dev/null; then echo alive; else echo dead; fi
+kill $pid
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20)
+    assert proc.stdout.strip() == "alive", proc.stdout + proc.stderr
+
+
 def test_waiting_through_a_trapped_signal_returns_the_exit_status():
     # The other side of mg_wait: a trap cutting the wait short (> 128 while the process runs on) is not its end.
     script = f"""source {LAUNCH}/common.sh
