@@ -572,15 +572,21 @@ class GSPOTrainer:
         return self.summary
 
     def close(self) -> None:
+        stopped = getattr(self, "_stopped", False)
         self.ckpt.close()
-        self.stop_signals.restore()
+        if not stopped:
+            self.stop_signals.restore()
         self.watchdog.close()
         self.scorer.close()
         self.logger.close()
         self.routing.close()
-        if getattr(self, "_stopped", False) and dist.is_initialized() and dist.get_world_size() > 1:
+        if stopped and dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank leaves together: torchrun stops the others as soon as one exits (75), and a rank still
             # closing (the logging rank flushes its logs) would be killed before it reports the stop.
             dist.barrier()
         self.rt.close()
+        if stopped:
+            # Only now: until here torchrun's SIGTERM to a rank still closing (sent as soon as another rank exited
+            # 75) is recorded, not fatal, so the rank lives to record its own exit code for the launch scripts.
+            self.stop_signals.restore()
 
