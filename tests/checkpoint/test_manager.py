@@ -210,8 +210,10 @@ if [ {steps} = 2 ]; then {train} trainer.steps=2 trainer.ckpt_every=5 trainer.sa
     assert len(ours) == nproc, err[-3000:]  # one line per rank (torchrun reports the exit codes after them)
     for line in ours:
         assert line.startswith(f"megatron-gspo: error: checkpoint {written} not written"), line
-        assert ": rank 0: " in line and "No space left on device" in line and "rank 1:" not in line, line
-    assert f"({written}.tmp removed): rank 0:" in ours[0] or f"({written}.tmp removed): rank 0:" in ours[-1]
+        # One rank named, the one whose write met the full disk: every data-parallel rank writes its own optimizer
+        # shard (checkpoint/optimizer_shards.py), so which rank runs out first is the file system's order.
+        assert (": rank 0: " in line) != (": rank 1: " in line) and "No space left on device" in line, line
+    assert f"({written}.tmp removed): rank " in ours[0] or f"({written}.tmp removed): rank " in ours[-1]
     assert "megatron_gspo/" not in err and "megatron/core/" not in err, err[-3000:]  # no traceback of ours
     entries = (out / "entries").read_text().split()
     if steps == 1:
