@@ -128,7 +128,9 @@ def test_compiled_row_kernels_launch_one_fixed_config_per_width(monkeypatch):
     """Compiled mode (the GPU's path, its launches recorded here): for every width, the statistics and the d
     logits kernels launch with row_config(V) -- no autotuner, whose timing-chosen block changed the
     log-sum-exp's bits between runs -- whatever the dtype, the call order or what ran before; and the config is
-    a step function of the width range."""
+    a step function of the width range. The kernels' launchers are recorded instead of run: compiled Triton
+    needs a GPU (this CPU runs only the interpreter); the real compiled launches run in tools/gpu_smoke.sh
+    (part `kernels`)."""
     launches = _Launches()
     kernels = {name: launches.kernel(name) for name in ("row_stats", "dlogits", "segment_sums")}
     from types import SimpleNamespace

@@ -20,7 +20,8 @@ PARTS = (
 PLAN = {"env": 20, "overlap": 60, "packed": 75, "shapes": 120, "kernels": 100, "resume": 110, "colocated-memory": 55}
 """The 9-minute plan for one H200: its parts, in order, and their caps (seconds)."""
 
-# A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with
+# Stands in for a GPU machine's interpreter (no GPU here): the script's plan, caps, verdicts and summary are what
+# is tested; the GPU parts themselves run when a GPU is lent. A trainer interpreter that pretends: the environment probe (a script on stdin) reports GPUS_STUB GPUs with
 # CUDA, pytest passes, the benchmark prints a row (a failed one for STUB_FAIL=bench), `train` writes one
 # metrics row per step; anything else (e.g. `-c` one-liners) runs the real interpreter.
 STUB_PYTHON = f"""#!{sys.executable}

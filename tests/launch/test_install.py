@@ -61,6 +61,9 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = SETUP.parent
+# Stands in for the venv's python on a GPU host: a real GPU install (CUDA torch, transformer-engine built against
+# it) needs a GPU and several GB of downloads, neither here; the script's pins, order and one-line failures are
+# what is tested, against the commands it records.
 FAKE_PYTHON = """#!/bin/sh
 echo "$*" >> "$FAKE_LOG"
 case "$1" in
