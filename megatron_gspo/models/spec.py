@@ -9,6 +9,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_gspo.models.attention import PackedDotProductAttention
+from megatron_gspo.models.experts import ExpertLoop
 from megatron_gspo.models.norm import RMSNorm
 from megatron_gspo.models.router import MicroBatchMeanAuxRouter
 
@@ -26,9 +27,20 @@ except Exception as _err:  # noqa: BLE001 - any import failure means "no TE"; bu
 
 
 def _with_local_modules(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Swaps the local spec's torch norms for our sequence-parallel-capable RMSNorm and its core attention for one
-    that also runs packed (THD) sequences (models/attention.py)."""
+    """Swaps the local spec's torch norms for our sequence-parallel-capable RMSNorm, its core attention for one
+    that also runs packed (THD) sequences (models/attention.py) and its SequentialMLP experts for the same experts
+    without the per-expert module calls (models/experts.py)."""
     sub = layer_spec.submodules
+    experts = sub.mlp.submodules.experts
+    sub = dataclasses.replace(
+        sub,
+        mlp=dataclasses.replace(
+            sub.mlp,
+            submodules=dataclasses.replace(
+                sub.mlp.submodules, experts=dataclasses.replace(experts, module=ExpertLoop)
+            ),
+        ),
+    )
     attn = sub.self_attention
     attn_sub = dataclasses.replace(
         attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm, core_attention=PackedDotProductAttention
