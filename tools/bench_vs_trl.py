@@ -1,6 +1,6 @@
 """Benchmark: seconds per RL step, megatron-gspo vs TRL's GRPOTrainer configured as GSPO, same tiny task.
 
-One RL step = rollout of a batch (64 prompts x G=8 = 512 responses of at most 6 tokens) + old-policy log-probs
+One RL step = rollout of a batch (P prompts x G=8 responses of at most 6 tokens) + old-policy log-probs
 + K=4 minibatch updates (one optimizer step each), on the tiny Qwen3-MoE of examples/tiny_moe_gspo.yaml
 (4 layers, hidden 128, 8 experts top-2, 16-token character vocabulary), randomly initialised, fp32, CPU.
 
@@ -16,17 +16,19 @@ count. TRL (trl==1.16.0, read in `trl/trainer/grpo_trainer.py` and `grpo_config.
                                        "dapo", TRL's default, would weight sequences by their token counts)
   epsilon=3e-4, epsilon_high=4e-4      the paper's clip range
   scale_rewards="group"                A_i = (r_i - mean) / std within the group (Eq. 6)
-  num_generations=8, per_device_train_batch_size=128, gradient_accumulation_steps=1, steps_per_generation=4,
-  num_iterations=1                     the generation batch is 4 x 128 = 512 sequences (64 prompts x 8); TRL
+  num_generations=8, per_device_train_batch_size=8P/4, gradient_accumulation_steps=1, steps_per_generation=4,
+  num_iterations=1                     the generation batch is 8P sequences (P prompts x 8; 512 at P=64); TRL
                                        generates once every steps_per_generation * num_iterations = 4 optimizer
-                                       steps and feeds one 128-sequence slice to each of them: K=4 minibatch
+                                       steps and feeds one 2P-sequence slice to each of them: K=4 minibatch
                                        updates per rollout batch, each slice used once, like ours. Because
                                        gradient_accumulation_steps (1) is not a multiple of that generation
                                        period, TRL computes the old-policy log-probs in a no-grad pass over the
                                        generation batch (`_generate_and_score_completions`), like our recompute.
 
-So TRL's 4 optimizer steps are one of our RL steps. Each variant runs in a fresh subprocess (ours in this
-environment, TRL in its own, `make bench-env`), the variants alternate `--rounds` times, and the first
+So TRL's 4 optimizer steps are one of our RL steps. Both sizes of `--prompts` (default 8 and 64 prompts: 64 and 512
+answers per RL step; the first is dominated by the per-step fixed cost, the second amortises it) run in one
+invocation. Each variant runs in a fresh subprocess (ours in this environment, TRL in its own, `make bench-env`),
+sizes and variants alternate within each of `--rounds` rounds, and the first
 `--warmup` RL steps of each run are not timed. The time of an RL step is wall clock between the ends of
 consecutive RL steps (ours: metrics written; TRL: the end of every 4th optimizer step), so everything the
 loop does counts on both sides; the process CPU time over the same span is reported beside it (steadier on a
@@ -35,6 +37,7 @@ shared machine). Prints the machine load, a table and ours / TRL; asserts nothin
   make bench-env                                        # once: builds .bench-env (TRL, accelerate, datasets)
   .venv/bin/python tools/bench_vs_trl.py                # 3 alternating rounds, 2 warm-up + 5 timed steps each
   .venv/bin/python tools/bench_vs_trl.py --rounds 1 --steps 3 --ours-overrides moe.drift_every=0
+  .venv/bin/python tools/bench_vs_trl.py --prompts 8              # 64 answers per RL step only
 """
 
 from __future__ import annotations
@@ -257,14 +260,44 @@ def _run(variant: str, python: str, spec_path: Path, args) -> dict:
     return out
 
 
+def _table(results: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
+    """Prints one size's table; returns each variant's (median wall, median CPU) seconds per RL step."""
+    print(
+        "| variant | median wall s / RL step | min wall s | median CPU s / RL step | runs | mean response tokens |"
+    )
+    print("|---|---|---|---|---|---|")
+    medians: dict[str, tuple[float, float]] = {}
+    for variant, runs in results.items():
+        errors = [r["error"] for r in runs if "error" in r]
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            print(f"| {variant} | failed: {errors[0][:300]} |")
+            continue
+        wall = [t for r in ok for t in r["step_s"]]
+        cpu = [t for r in ok for t in r["cpu_s"]]
+        medians[variant] = (statistics.median(wall), statistics.median(cpu))
+        length = statistics.fmean(r["response_length"] for r in ok)
+        cells = [variant, f"{medians[variant][0]:.3f}", f"{min(wall):.3f}", f"{medians[variant][1]:.3f}"]
+        cells += [f"{len(ok)}", f"{length:.2f}"]
+        print("| " + " | ".join(cells) + " |")
+        for e in errors:
+            print(f"  ({variant} run failed: {e[:300]})")
+    return medians
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--trl-python", default=str(ROOT / ".bench-env" / "bin" / "python"))
-    parser.add_argument("--rounds", type=int, default=3, help="alternating (ours, TRL) pairs of fresh runs")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating (ours, TRL) pairs of fresh runs per size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed RL steps at the start of each run")
     parser.add_argument("--steps", type=int, default=5, help="timed RL steps per run")
+    parser.add_argument(
+        "--prompts",
+        default="8,64",
+        help="comma-separated prompts per RL step, one size each (x G=8 answers: 8 -> 64, 64 -> 512 answers)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -289,56 +322,51 @@ def main(argv=None) -> None:
         print(json.dumps(result), flush=True)
         return
     variants = [v for v in ("ours", "trl") if v in args.variants.split(",")]
+    try:
+        sizes = [int(p) for p in args.prompts.split(",")]
+    except ValueError:
+        parser.error(f"--prompts={args.prompts!r} must be comma-separated integers")
     if "trl" in variants and not Path(args.trl_python).exists():
         sys.exit(f"{args.trl_python} does not exist: run `make bench-env` first (or pass --trl-python)")
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl.") as tmp:
         args.work = tmp
-        spec_path = write_spec(Path(tmp), [])
-        spec = json.loads(spec_path.read_text())
-        spec["ours_extra"] = list(args.ours_overrides)
-        spec_path.write_text(json.dumps(spec))
+        spec_paths: dict[int, Path] = {}
+        for prompts in sizes:
+            folder = Path(tmp) / f"p{prompts}"
+            folder.mkdir()
+            spec_path = write_spec(folder, [f"trainer.prompts_per_step={prompts}"])
+            spec = json.loads(spec_path.read_text())
+            spec["ours_extra"] = list(args.ours_overrides)
+            spec_path.write_text(json.dumps(spec))
+            spec_paths[prompts] = spec_path
         load_before = _load()
-        results: dict[str, list[dict]] = {v: [] for v in variants}
+        results = {p: {v: [] for v in variants} for p in sizes}
         pythons = {"ours": sys.executable, "trl": args.trl_python}
+        # Sizes and sides alternate within every round, so a change in the machine's load reaches all alike.
         for r in range(args.rounds):
-            for variant in variants:
-                python = pythons[variant]
-                print(f"round {r + 1}/{args.rounds}: {variant} ...", file=sys.stderr, flush=True)
-                results[variant].append(_run(variant, python, spec_path, args))
+            for prompts in sizes:
+                for variant in variants:
+                    print(f"round {r + 1}/{args.rounds}: {prompts * 8} answers, {variant} ...", file=sys.stderr,
+                          flush=True)
+                    results[prompts][variant].append(_run(variant, pythons[variant], spec_paths[prompts], args))
         load_after = _load()
     print(
-        f"\ntiny GSPO RL step (64 prompts x 8, <= 6 new tokens, K=4 minibatch updates), {args.threads} threads, "
-        f"{args.rounds} alternating round(s) x {args.steps} timed steps (+{args.warmup} warm-up)"
+        f"\ntiny GSPO RL step (<= 6 new tokens, K=4 minibatch updates), {args.threads} threads, "
+        f"{args.rounds} alternating round(s) x {args.steps} timed steps (+{args.warmup} warm-up) per size and side"
     )
     print(f"load average (1/5/15 min): {load_before} before, {load_after} after, on {os.cpu_count()} cores")
     if args.ours_overrides:
         print(f"ours with: {' '.join(args.ours_overrides)}")
-    print(
-        "| variant | median wall s / RL step | min wall s | median CPU s / RL step | runs | mean response tokens |"
-    )
-    print("|---|---|---|---|---|---|")
-    medians: dict[str, tuple[float, float]] = {}
-    for variant, runs in results.items():
-        errors = [r["error"] for r in runs if "error" in r]
-        ok = [r for r in runs if "error" not in r]
-        if not ok:
-            print(f"| {variant} | failed: {errors[0][:300]} |")
-            continue
-        wall = [t for r in ok for t in r["step_s"]]
-        cpu = [t for r in ok for t in r["cpu_s"]]
-        medians[variant] = (statistics.median(wall), statistics.median(cpu))
-        length = statistics.fmean(r["response_length"] for r in ok)
-        cells = [variant, f"{medians[variant][0]:.3f}", f"{min(wall):.3f}", f"{medians[variant][1]:.3f}"]
-        cells += [f"{len(ok)}", f"{length:.2f}"]
-        print("| " + " | ".join(cells) + " |")
-        for e in errors:
-            print(f"  ({variant} run failed: {e[:300]})")
-    if len(medians) == 2:
-        wall_ratio = medians["ours"][0] / medians["trl"][0]
-        cpu_ratio = medians["ours"][1] / medians["trl"][1]
-        print(
-            f"\nours / TRL per RL step: wall x{wall_ratio:.2f}, CPU x{cpu_ratio:.2f} (below 1: ours is faster)"
-        )
+    ratios = []
+    for prompts in sizes:
+        print(f"\n{prompts} prompts x 8 = {prompts * 8} answers per RL step")
+        medians = _table(results[prompts])
+        if len(medians) == 2:
+            wall_ratio = medians["ours"][0] / medians["trl"][0]
+            cpu_ratio = medians["ours"][1] / medians["trl"][1]
+            ratios.append(f"{prompts * 8} answers: wall x{wall_ratio:.2f}, CPU x{cpu_ratio:.2f}")
+    if ratios:
+        print(f"\nours / TRL per RL step (below 1: ours is faster): {'; '.join(ratios)}")
 
 
 if __name__ == "__main__":

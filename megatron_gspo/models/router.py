@@ -21,6 +21,7 @@ unit or the layout.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 from megatron.core.transformer.moe.router import TopKRouter
@@ -66,9 +67,21 @@ class MicroBatchMeanAuxRouter(TopKRouter):
         )
 
 
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _routers(chunk) -> list[MicroBatchMeanAuxRouter]:
+    """The chunk's routers, found once: a walk over every module (~1000 in the tiny model) twice per minibatch
+    update was a measurable part of a small RL step (tools/profile_step.py). Layer specs build them once; nothing
+    adds or swaps routers later."""
+    found = _ROUTERS.get(chunk)
+    if found is None:
+        found = _ROUTERS[chunk] = [m for m in chunk.modules() if isinstance(m, MicroBatchMeanAuxRouter)]
+    return found
+
+
 def set_aux_loss_weight(chunks: Iterable, weight: float | None) -> None:
     """Sets w on every MicroBatchMeanAuxRouter of the model chunks (None clears it)."""
     for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, MicroBatchMeanAuxRouter):
-                module.aux_loss_weight = weight
+        for module in _routers(chunk):
+            module.aux_loss_weight = weight

@@ -453,13 +453,15 @@ def apply_without_te() -> bool:
     backward) tests `te_general_gemm is not None` and raises NameError. Defining it as None selects megatron's own
     torch.mm path, which is what it means to do without TE. Called by `parallel.initialize` on every machine;
     a no-op (False) when TE imported (the name exists) or for megatron-core versions it was not checked against.
-    Not a CPU patch, but a megatron patch all the same, so it lives here.
+    Not a CPU patch, but a megatron patch all the same, so it lives here; so do the two other patches for
+    megatron without apex / TE (`_patch_torch_adam_step`, `_patch_thd_rope`).
     """
     if _version() not in TESTED_VERSIONS:
         return False
     from megatron.core.transformer.moe import moe_utils
 
     patched = _patch_torch_adam_step()
+    patched = _patch_thd_rope() or patched
     if hasattr(moe_utils, "te_general_gemm"):
         return patched
     moe_utils.te_general_gemm = None
@@ -511,6 +513,42 @@ def _patch_torch_adam_step() -> bool:
     cls._set_main_param_and_optimizer_states = set_states
     cls.load_state_dict = load_state_dict
     log.info("megatron-core %s without apex / TE: distributed-optimizer loads keep torch Adam's step", _version())
+    return True
+
+
+def _patch_thd_rope() -> bool:
+    """megatron's unfused RoPE for packed (THD) sequences without its per-sequence Python loop.
+
+    Without TE's fused RoPE (the local spec), `rope_utils._apply_rotary_pos_emb_thd` reads `cu_seqlens` to the
+    host and concatenates one slice `freqs[:len_j]` per sequence, for queries and keys in every layer of every
+    packed forward: on small RL steps a visible share of the CPU time (tools/profile_step.py). With one
+    context-parallel rank and `freqs` over the longest sequence (megatron's "CASE 2"), the same rows come from one
+    gather, freqs[i - start_j] for token i of sequence j, and go through megatron's own `_apply_rotary_pos_emb_bshd`
+    unchanged: the same values bit for bit (tests/parallel/test_cpu_backend.py). Any other case runs megatron's
+    function."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+    if hasattr(original, "__wrapped_for_cpu__"):
+        return False
+
+    @functools.wraps(original)
+    def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+            cp_group=None):
+        total = t.shape[0]
+        if (cp_group is None or cp_group.size() != 1 or freqs.dim() < 1 or freqs.size(0) == total
+                or int(cu_seqlens[-1]) != total):
+            return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
+        positions = torch.arange(total, device=t.device) - starts
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale,
+        ).squeeze(1)
+
+    thd.__wrapped_for_cpu__ = original
+    rope_utils._apply_rotary_pos_emb_thd = thd
     return True
 
 

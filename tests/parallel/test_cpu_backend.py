@@ -142,3 +142,49 @@ def test_router_gating_without_te_on_a_cuda_machine():
     fp32 = dict(rtol=1.3e-6, atol=1e-5)
     torch.testing.assert_close(out["dx"], w.sum(0).expand(5, 3), **fp32)
     torch.testing.assert_close(out["dw"], x.sum(0).expand(4, 3), **fp32)
+
+
+def _thd_rope_both_ways():
+    """megatron's THD RoPE (its per-sequence loop) and the patched one on the same packs, values and gradients,
+    with this process's real one-rank context-parallel group; plus a pack the patch hands back to megatron."""
+    from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
+
+    initialize(ParallelConfig(), seed=3)
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.common.embeddings import rope_utils
+
+        patched = rope_utils._apply_rotary_pos_emb_thd
+        original = patched.__wrapped_for_cpu__
+        cp = ps.get_context_parallel_group()
+        g = torch.Generator().manual_seed(0)
+        freqs = torch.randn(24, 1, 1, 16, generator=g)
+        out = {"is_patched": original is not patched, "cases": []}
+        for lengths in ([5, 1, 9, 3], [17], [1, 1, 1]):
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            t = torch.randn(sum(lengths), 4, 16, generator=g)
+            up = torch.randn_like(t)
+            results = []
+            for fn in (patched, original):
+                x = t.clone().requires_grad_(True)
+                y = fn(x, cu, freqs, cp_group=cp)
+                (y * up).sum().backward()
+                results.append((y.detach(), x.grad))
+            out["cases"].append(results)
+        # freqs over every packed position (megatron's CASE 1) is not the patch's case: megatron's own result
+        full = torch.randn(6, 1, 1, 16, generator=g)
+        t = torch.randn(6, 4, 16, generator=g)
+        cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+        out["case1"] = (patched(t, cu, full, cp_group=cp), original(t, cu, full, cp_group=cp))
+    finally:
+        shutdown()
+    return out
+
+
+def test_packed_rope_without_the_per_sequence_loop_is_megatrons_bit_for_bit():
+    out = run_distributed(_thd_rope_both_ways, world_size=1)[0]
+    assert out["is_patched"]
+    for (y, gx), (y_ref, gx_ref) in out["cases"]:
+        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+        assert gx_ref.abs().max() > 0
+    assert torch.equal(*out["case1"])
