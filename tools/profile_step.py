@@ -13,7 +13,8 @@ every step (the defaults), one thread. The first `--warmup` steps are not measur
    The autograd engine's backward is one row (its C++ ops are called from no Python frame), and the Python it
    calls back (hooks, custom autograd functions) is counted in those functions' layers. cProfile adds a cost per
    Python call, so Python-heavy layers read larger than they are: compare rows with each other, and the phase
-   table for absolute figures.
+   table for absolute figures. cProfile's clock is the wall clock by default (`--timer cpu`: process CPU time,
+   immune to other processes' load but dearer per reading, so it inflates Python-heavy rows more).
 
 Usage (a loaded machine: CPU seconds are the steadier figure; `uptime` beside them):
   .venv/bin/python tools/profile_step.py                      # 8 prompts x 8 = 64 answers
@@ -64,11 +65,15 @@ LAYERS = [
 ]
 
 
+OTHER = "other Python (stdlib, yaml, tokenizer)"
+BACKWARD = "autograd backward (C++ engine)"
+
+
 def layer_of(filename: str) -> str:
     for key, layer in LAYERS:
         if key in filename:
             return layer
-    return "other Python (stdlib, yaml, tokenizer)"
+    return OTHER
 
 
 def by_layer(stats: pstats.Stats) -> dict[str, float]:
@@ -78,12 +83,14 @@ def by_layer(stats: pstats.Stats) -> dict[str, float]:
         if filename != "~":
             out[layer_of(filename)] += tt
             continue
-        if "run_backward" in name or not callers:
-            out["autograd backward (C++ engine)" if "run_backward" in name else "other Python (stdlib, yaml, tokenizer)"] += tt
+        if "run_backward" in name:
+            out[BACKWARD] += tt
+            continue
+        if not callers:
+            out[OTHER] += tt
             continue
         for (cfile, _cl, _cn), edge in callers.items():
-            edge_tt = edge[2]
-            out[layer_of(cfile) if cfile != "~" else "other Python (stdlib, yaml, tokenizer)"] += edge_tt
+            out[layer_of(cfile) if cfile != "~" else OTHER] += edge[2]  # the callee's own time on that edge
     return out
 
 
