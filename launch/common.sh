@@ -72,7 +72,11 @@ mg_cleanup_on_exit() {
 # Wait for pid $1 through trapped signals; returns its exit status. A `wait` cut short by a trapped signal returns
 # > 128 while the process runs on; so does a process killed by a signal, and bash then answers every later
 # `wait $pid` with that same 128+N (never 127): so wait again only while the process still exists, and once it is
-# gone ask one last time (bash keeps the status of a child it reaped while the trap ran).
+# gone ask one last time (bash keeps the status of a child it reaped while the trap ran). One case bash loses: a
+# trapped signal that lands while `wait` is reaping the child (the same signal often ends both: slurmstepd signals
+# the whole step) jumps out after the reap and before the status is stored; the next `wait` answers -1 (exit 255).
+# Then MG_STATUS_LOST=1 and the status is 1; mg_step_status decides from what the ranks recorded instead.
+MG_STATUS_LOST=0
 mg_wait() {
     local pid="$1" status=0 again
     wait "$pid" || status=$?
@@ -84,6 +88,10 @@ mg_wait() {
         again=0
         wait "$pid" 2>/dev/null || again=$?
         (( again == 127 )) || status="$again"
+    fi
+    if (( status < 0 || status > 255 )); then
+        MG_STATUS_LOST=1
+        status=1
     fi
     return "$status"
 }
@@ -99,11 +107,13 @@ mg_alive() {
 # mg_run_trainer MODE SIGNALS command...: run the command and wait for it through each of SIGNALS (e.g. "USR1 TERM").
 # MODE direct (the batch script, whose command is srun): pass each signal on to the command as it arrives; srun hands
 # it to its step, where slurmstepd delivers it to every process: task.sh, torchrun, each rank. MODE step (task.sh
-# inside that step): only note it; the trainer got the signal from Slurm already (passing it on again would deliver
-# it twice, the second copy maybe while a rank's interpreter is exiting, with its handlers gone). Other stop signals
-# are ignored while it runs. Sets MG_STOP_SIGNAL to the first signal honoured; returns the command's exit status as
-# it is (whether the ranks stopped with a checkpoint, mg_step_status tells from what they recorded). Under
-# DRY_RUN=1 it prints the command.
+# inside that step): ride them out, ignored: the trainer got the signal from Slurm already (passing it on again would
+# deliver it twice, the second copy maybe while a rank's interpreter is exiting, with its handlers gone), and a
+# trapped signal would cut the wait short at the very moment the rank it stopped exits, where bash can lose the
+# rank's exit status (mg_wait). Other stop signals are noted and ignored while it runs (direct) or ignored (step).
+# Sets MG_STOP_SIGNAL to the first signal honoured (direct); returns the command's exit status as it is (whether
+# the ranks stopped with a checkpoint, mg_step_status tells from what they recorded). Under DRY_RUN=1 it prints the
+# command.
 MG_STOP_SIGNAL=""
 mg_run_trainer() {
     local mode="$1" signals="$2"
@@ -125,10 +135,13 @@ mg_run_trainer() {
         "$@" &
     fi
     MG_TRAINER_PID=$!
+    # Set only now: the command keeps the dispositions it started with (SIGTERM: the default).
     for sig in USR1 TERM; do
-        if [[ " $signals " == *" $sig "* ]]; then
+        if [[ "$mode" == step ]]; then
+            trap '' "$sig"
+        elif [[ " $signals " == *" $sig "* ]]; then
             # shellcheck disable=SC2064  # expand now
-            trap "mg_pass_signal $mode $sig" "$sig"
+            trap "mg_pass_signal $sig" "$sig"
         else
             # shellcheck disable=SC2064
             trap "mg_note 'ignoring SIG$sig: this job cannot stop early and resume'" "$sig"
@@ -144,14 +157,10 @@ mg_run_trainer() {
     return "$status"
 }
 
-mg_pass_signal() {  # mode signal
-    [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$2"
-    if [[ "$1" == direct ]]; then
-        mg_note "SIG$2: passing it to the trainer (it stops after the current step with a checkpoint)"
-        kill -s "$2" "$MG_TRAINER_PID" 2>/dev/null || true
-    else
-        mg_note "SIG$2: Slurm delivers it to every rank of the step (they stop after the current step with a checkpoint)"
-    fi
+mg_pass_signal() {  # signal
+    [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$1"
+    mg_note "SIG$1: passing it to the trainer (it stops after the current step with a checkpoint)"
+    kill -s "$1" "$MG_TRAINER_PID" 2>/dev/null || true
 }
 
 # A fresh MG_STATUS_DIR for the training step: each rank writes its exit code there (megatron_gspo/cli/main.py).
@@ -168,20 +177,25 @@ mg_new_status_dir() {
 # highest code of its tasks: one rank stopping while another failed writing its checkpoint reads 75), 1; any other
 # status stays as it is. A failure is reported in one line naming the ranks that recorded no exit (killed) and the
 # signal when a task saw it (LAUNCHER=srun) or torchrun's report in the node log names it (LAUNCHER=torchrun).
+# When bash lost srun's status (MG_STATUS_LOST, mg_wait), every rank having recorded 0 makes it 0.
 mg_step_status() {
-    local status="$1" rank stopped=0 code
+    local status="$1" rank stopped=0 done=0 code
     local -a lost=()
     if [[ -n "${MG_STATUS_DIR:-}" ]] && ! mg_is_dry; then
         for ((rank = 0; rank < WORLD_SIZE; rank++)); do
             code="$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" || code=""
             if [[ "$code" == 75 ]]; then
                 stopped=$((stopped + 1))
+            elif [[ "$code" == 0 ]]; then
+                done=$((done + 1))
             elif [[ -z "$code" ]]; then
                 lost+=("rank $rank$(cat "$MG_STATUS_DIR/signal-$rank" 2>/dev/null || mg_torchrun_signal "$rank")")
             fi
         done
         if (( stopped == WORLD_SIZE )); then
             status=75
+        elif (( done == WORLD_SIZE && MG_STATUS_LOST == 1 )); then
+            status=0
         elif (( stopped > 0 && (status == 75 || status == 0) )); then
             mg_note "only $stopped of $WORLD_SIZE ranks stopped with a checkpoint (see $LOG_DIR): the step failed" >&2
             status=1
