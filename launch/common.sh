@@ -159,8 +159,28 @@ mg_run_trainer() {
 
 mg_pass_signal() {  # signal
     [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$1"
-    mg_note "SIG$1: passing it to the trainer (it stops after the current step with a checkpoint)"
+    mg_note "SIG$1 at $(date -u +%FT%TZ): passing it to the trainer (it stops after the current step with a checkpoint)"
     kill -s "$1" "$MG_TRAINER_PID" 2>/dev/null || true
+}
+
+# The exit code rank $1 recorded in MG_STATUS_DIR (nothing without a record). A stop with a checkpoint reads
+# "75 SIGUSR1" or "75 SIGTERM" there: the signal the ranks agreed to stop for.
+mg_rank_code() {
+    local code="" signal=""
+    { read -r code signal <"$MG_STATUS_DIR/rank-$1"; } 2>/dev/null || true
+    echo "$code"
+}
+
+# Whether a rank recorded a stop for SIGTERM (it reached the ranks even when not the batch shell: `scancel
+# --signal=TERM` signals only the job's steps).
+mg_ranks_stopped_by_term() {
+    local rank code signal
+    for ((rank = 0; rank < WORLD_SIZE; rank++)); do
+        code="" signal=""
+        { read -r code signal <"$MG_STATUS_DIR/rank-$rank"; } 2>/dev/null || true
+        [[ "$code $signal" != "75 SIGTERM" ]] || return 0
+    done
+    return 1
 }
 
 # A fresh MG_STATUS_DIR for the training step: each rank writes its exit code there (megatron_gspo/cli/main.py).
@@ -183,7 +203,7 @@ mg_step_status() {
     local -a lost=()
     if [[ -n "${MG_STATUS_DIR:-}" ]] && ! mg_is_dry; then
         for ((rank = 0; rank < WORLD_SIZE; rank++)); do
-            code="$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" || code=""
+            code="$(mg_rank_code "$rank")"
             if [[ "$code" == 75 ]]; then
                 stopped=$((stopped + 1))
             elif [[ "$code" == 0 ]]; then
@@ -234,20 +254,21 @@ mg_task_status() {
     fi
     (( status != 0 )) || { echo 0; return; }
     for ((rank = first; rank < first + count; rank++)); do
-        [[ "$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" == 75 ]] || { echo "$status"; return; }
+        [[ "$(mg_rank_code "$rank")" == 75 ]] || { echo "$status"; return; }
     done
     echo 0
 }
 
 # After the training step of a `train` job: requeue the job (scontrol requeue) when the trainer stopped with a
-# checkpoint (status 75) for SIGUSR1 (the signal requested before the time limit) or for a signal sent to the ranks
-# directly, not for SIGTERM (scancel; Slurm requeues preempted jobs itself). Never on 0 (done) or a failure, e.g. a
-# full disk while writing the stop checkpoint: that would requeue forever. The requeued job resumes
+# checkpoint (status 75) for SIGUSR1 (the signal requested before the time limit, whether the batch shell or only
+# the ranks got it), not for SIGTERM (scancel, `scancel --signal=TERM` to the steps alone; Slurm requeues preempted
+# jobs itself): the batch shell's own signal and the ranks' records both count. Never on 0 (done) or a failure,
+# e.g. a full disk while writing the stop checkpoint: that would requeue forever. The requeued job resumes
 # (SLURM_RESTART_COUNT > 0 adds --resume). REQUEUE=0 turns it off. $1: the step's status (mg_step_status).
 mg_requeue_if_stopped() {
     local status="$1"
     [[ "${REQUEUE:-1}" == 1 && "${MG_SUBCOMMAND:-train}" == train ]] || return 0
-    if [[ "$status" == 75 && "$MG_STOP_SIGNAL" != TERM ]]; then
+    if [[ "$status" == 75 && "$MG_STOP_SIGNAL" != TERM ]] && ! mg_ranks_stopped_by_term; then
         [[ -n "${SLURM_JOB_ID:-}" ]] || mg_die "stopped early but SLURM_JOB_ID is not set: cannot requeue"
         mg_note "training stopped before the time limit (exit $status): requeueing job $SLURM_JOB_ID; it resumes from the last checkpoint"
         scontrol requeue "$SLURM_JOB_ID"
