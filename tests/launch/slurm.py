@@ -215,9 +215,9 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             except OSError:
                 continue
             # (Without a job id: a job's processes and slurmstepd; not a client command such as scontrol.)
-            if (job_id is None and "SLURM_JOB_ID" not in env and not cmd.startswith("slurmstepd")) or not _alive(
-                int(proc.name)
-            ):
+            if (
+                job_id is None and "SLURM_JOB_ID" not in env and not cmd.startswith("slurmstepd")
+            ) or not _alive(int(proc.name)):
                 continue
             found[int(proc.name)] = cmd
         return found
@@ -230,7 +230,8 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             busy = [
                 j
                 for j, state in self.states().items()
-                if (job_ids is None or j in job_ids) and state in ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED")
+                if (job_ids is None or j in job_ids)
+                and state in ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED")
             ]
             left = {}
             for job in job_ids or [None]:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -197,7 +197,7 @@ def _signal_time(out: str, sig: str = "USR1") -> float | None:
     found = re.search(rf"# SIG{sig} at (\S+Z): passing it", out)
     if not found:
         return None
-    return datetime.strptime(found.group(1), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    return datetime.strptime(found.group(1), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
 def _time_limit(s: Scenario):
@@ -205,8 +205,9 @@ def _time_limit(s: Scenario):
     first step is logged the limit is cut to the minutes the job has run plus 10 (`scontrol update TimeLimit`): the
     early signal is then due at once, slurmctld sends it at its next limit check (every 30 s), and the limit itself
     is at least 9 minutes away. As soon as the job is requeued the limit goes back to 60 minutes, before the new start
-    (held `cred_expire` + 1 s) could be signalled again. The resumed start is stopped with a plain scancel once it
-    logged a step (the run has 1000 steps: the first start must still be training when the signal comes)."""
+    (held `cred_expire` + 1 s) could be signalled again. The resumed start is stopped once it logged a step (the
+    run has 1000 steps: the first start must still be training when the signal comes) with `scancel --signal=TERM`,
+    which signals the job's steps but not the batch shell: a stop for SIGTERM, which must not requeue the job."""
     s.until("first step", lambda: _rows(s.run_dir))
     ran = _seconds(s.cluster.job(s.job)["RunTime"])
     s.cluster.scontrol("update", f"JobId={s.job}", f"TimeLimit={ran // 60 + 10}")
@@ -219,7 +220,7 @@ def _time_limit(s: Scenario):
     step = s.seen["checkpoint"][1]
     s.until("resumed step", lambda: any(r["step"] > step for r in _rows(s.run_dir)), poll=0.1)
     s.seen["requeue_to_resumed_step_s"] = time.time() - t_requeue
-    s.cluster.run("scancel", s.job)
+    s.cluster.run("scancel", "--signal=TERM", s.job)
     s.seen["end"] = s.cluster.wait(s.job, timeout=120)
     _gone(s)
 
@@ -329,7 +330,9 @@ class Pipeline(Scenario):
                     "RL_ROLLOUT_MODE": "none",
                     "GPUS_PER_NODE": "1",
                     "LAUNCHER": "torchrun",
-                    "SBATCH_ARGS": "--exclusive=user --cpus-per-task=1",
+                    # --priority=TOP: the chain of five jobs is the module's longest; each starts at the first
+                    # free CPU instead of queueing behind the other scenarios' jobs.
+                    "SBATCH_ARGS": "--exclusive=user --cpus-per-task=1 --priority=TOP",
                     "TRAIN_OVERRIDES": f"{MINI} trainer.steps=2 sft.max_steps=2 sft.eval_every=2 "
                     "sft.eval_prompts=4 sft.batch_size=8",
                 },
@@ -471,15 +474,19 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes(scenarios, name):
 def test_time_limit_signal_checkpoints_exits_75_requeues_and_resumes(scenarios):
     # `#SBATCH --signal=B:USR1@600` reaching its time limit for real (the other requeue tests send SIGUSR1 with
     # scancel): checkpoint, 75, requeue by the script, resume at the next step; both starts' logs kept.
+    # The second start, stopped by a SIGTERM to its steps alone, ends with the ranks' 75 (FAILED, exit 75) and
+    # without a second requeue: the batch shell got no signal, the ranks' records say SIGTERM.
     s = scenarios["time_limit_torchrun1"]
     seen = s.result()
     ctx = f"{seen['out']}\n{seen['logs']}"
-    assert seen["end"]["JobState"] == "CANCELLED" and seen["end"]["Restarts"] == "1", (seen["end"], ctx)
+    end = seen["end"]
+    assert end["JobState"] == "FAILED" and end["ExitCode"] == "75:0" and end["Restarts"] == "1", (end, ctx)
     states = [c["JobState"] for c in seen["completions"]]
-    assert len(states) == 2 and states[0] in ("REQUEUED", "PENDING") and states[1] == "CANCELLED", seen[
+    assert len(states) == 2 and states[0] in ("REQUEUED", "PENDING") and states[1] == "FAILED", seen[
         "completions"
     ]
-    assert seen["out"].count("# SIGUSR1 at ") == 1 and f"requeueing job {s.job}" in seen["out"], ctx
+    assert seen["out"].count("# SIGUSR1 at ") == 1 and seen["out"].count(f"requeueing job {s.job}") == 1, ctx
+    assert "# SIGTERM at " not in seen["out"], ctx  # the batch shell did not get the second stop
     assert seen["out"].index(f"job {s.job}, start 1") < seen["out"].index(f"job {s.job}, start 2"), ctx
     assert seen["logs"].count("training node 0") == 2, ctx
     signalled = _signal_time(seen["out"])
@@ -489,7 +496,7 @@ def test_time_limit_signal_checkpoints_exits_75_requeues_and_resumes(scenarios):
         f"{seen['checkpoint_written'] - signalled:.0f} s after it (1 s resolution), requeue -> first resumed step "
         f"{seen['requeue_to_resumed_step_s']:.1f} s (checkpoint at step {step})"
     )
-    # Every step once, in order, across both starts (the second start's scancel adds its own stop checkpoint).
+    # Every step once, in order, across both starts (the second start's SIGTERM adds its own stop checkpoint).
     steps = [r["step"] for r in seen["rows"]]
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] > step >= 1, (steps, ctx)
     assert not seen["left"], seen["left"]
