@@ -72,7 +72,11 @@ mg_cleanup_on_exit() {
 # Wait for pid $1 through trapped signals; returns its exit status. A `wait` cut short by a trapped signal returns
 # > 128 while the process runs on; so does a process killed by a signal, and bash then answers every later
 # `wait $pid` with that same 128+N (never 127): so wait again only while the process still exists, and once it is
-# gone ask one last time (bash keeps the status of a child it reaped while the trap ran).
+# gone ask one last time (bash keeps the status of a child it reaped while the trap ran). One case bash loses: a
+# trapped signal that lands while `wait` is reaping the child (the same signal often ends both: slurmstepd signals
+# the whole step) jumps out after the reap and before the status is stored; the next `wait` answers -1 (exit 255).
+# Then MG_STATUS_LOST=1 and the status is 1; mg_step_status decides from what the ranks recorded instead.
+MG_STATUS_LOST=0
 mg_wait() {
     local pid="$1" status=0 again
     wait "$pid" || status=$?
@@ -84,6 +88,10 @@ mg_wait() {
         again=0
         wait "$pid" 2>/dev/null || again=$?
         (( again == 127 )) || status="$again"
+    fi
+    if (( status < 0 || status > 255 )); then
+        MG_STATUS_LOST=1
+        status=1
     fi
     return "$status"
 }
@@ -99,11 +107,13 @@ mg_alive() {
 # mg_run_trainer MODE SIGNALS command...: run the command and wait for it through each of SIGNALS (e.g. "USR1 TERM").
 # MODE direct (the batch script, whose command is srun): pass each signal on to the command as it arrives; srun hands
 # it to its step, where slurmstepd delivers it to every process: task.sh, torchrun, each rank. MODE step (task.sh
-# inside that step): only note it; the trainer got the signal from Slurm already (passing it on again would deliver
-# it twice, the second copy maybe while a rank's interpreter is exiting, with its handlers gone). Other stop signals
-# are ignored while it runs. Sets MG_STOP_SIGNAL to the first signal honoured; returns the command's exit status as
-# it is (whether the ranks stopped with a checkpoint, mg_step_status tells from what they recorded). Under
-# DRY_RUN=1 it prints the command.
+# inside that step): ride them out, ignored: the trainer got the signal from Slurm already (passing it on again would
+# deliver it twice, the second copy maybe while a rank's interpreter is exiting, with its handlers gone), and a
+# trapped signal would cut the wait short at the very moment the rank it stopped exits, where bash can lose the
+# rank's exit status (mg_wait). Other stop signals are noted and ignored while it runs (direct) or ignored (step).
+# Sets MG_STOP_SIGNAL to the first signal honoured (direct); returns the command's exit status as it is (whether
+# the ranks stopped with a checkpoint, mg_step_status tells from what they recorded). Under DRY_RUN=1 it prints the
+# command.
 MG_STOP_SIGNAL=""
 mg_run_trainer() {
     local mode="$1" signals="$2"
@@ -125,10 +135,13 @@ mg_run_trainer() {
         "$@" &
     fi
     MG_TRAINER_PID=$!
+    # Set only now: the command keeps the dispositions it started with (SIGTERM: the default).
     for sig in USR1 TERM; do
-        if [[ " $signals " == *" $sig "* ]]; then
+        if [[ "$mode" == step ]]; then
+            trap '' "$sig"
+        elif [[ " $signals " == *" $sig "* ]]; then
             # shellcheck disable=SC2064  # expand now
-            trap "mg_pass_signal $mode $sig" "$sig"
+            trap "mg_pass_signal $sig" "$sig"
         else
             # shellcheck disable=SC2064
             trap "mg_note 'ignoring SIG$sig: this job cannot stop early and resume'" "$sig"
@@ -144,14 +157,30 @@ mg_run_trainer() {
     return "$status"
 }
 
-mg_pass_signal() {  # mode signal
-    [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$2"
-    if [[ "$1" == direct ]]; then
-        mg_note "SIG$2: passing it to the trainer (it stops after the current step with a checkpoint)"
-        kill -s "$2" "$MG_TRAINER_PID" 2>/dev/null || true
-    else
-        mg_note "SIG$2: Slurm delivers it to every rank of the step (they stop after the current step with a checkpoint)"
-    fi
+mg_pass_signal() {  # signal
+    [[ -n "$MG_STOP_SIGNAL" ]] || MG_STOP_SIGNAL="$1"
+    mg_note "SIG$1 at $(date -u +%FT%TZ): passing it to the trainer (it stops after the current step with a checkpoint)"
+    kill -s "$1" "$MG_TRAINER_PID" 2>/dev/null || true
+}
+
+# The exit code rank $1 recorded in MG_STATUS_DIR (nothing without a record). A stop with a checkpoint reads
+# "75 SIGUSR1" or "75 SIGTERM" there: the signal the ranks agreed to stop for.
+mg_rank_code() {
+    local code="" signal=""
+    { read -r code signal <"$MG_STATUS_DIR/rank-$1"; } 2>/dev/null || true
+    echo "$code"
+}
+
+# Whether a rank recorded a stop for SIGTERM (it reached the ranks even when not the batch shell: `scancel
+# --signal=TERM` signals only the job's steps).
+mg_ranks_stopped_by_term() {
+    local rank code signal
+    for ((rank = 0; rank < WORLD_SIZE; rank++)); do
+        code="" signal=""
+        { read -r code signal <"$MG_STATUS_DIR/rank-$rank"; } 2>/dev/null || true
+        [[ "$code $signal" != "75 SIGTERM" ]] || return 0
+    done
+    return 1
 }
 
 # A fresh MG_STATUS_DIR for the training step: each rank writes its exit code there (megatron_gspo/cli/main.py).
@@ -168,20 +197,25 @@ mg_new_status_dir() {
 # highest code of its tasks: one rank stopping while another failed writing its checkpoint reads 75), 1; any other
 # status stays as it is. A failure is reported in one line naming the ranks that recorded no exit (killed) and the
 # signal when a task saw it (LAUNCHER=srun) or torchrun's report in the node log names it (LAUNCHER=torchrun).
+# When bash lost srun's status (MG_STATUS_LOST, mg_wait), every rank having recorded 0 makes it 0.
 mg_step_status() {
-    local status="$1" rank stopped=0 code
+    local status="$1" rank stopped=0 done=0 code
     local -a lost=()
     if [[ -n "${MG_STATUS_DIR:-}" ]] && ! mg_is_dry; then
         for ((rank = 0; rank < WORLD_SIZE; rank++)); do
-            code="$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" || code=""
+            code="$(mg_rank_code "$rank")"
             if [[ "$code" == 75 ]]; then
                 stopped=$((stopped + 1))
+            elif [[ "$code" == 0 ]]; then
+                done=$((done + 1))
             elif [[ -z "$code" ]]; then
                 lost+=("rank $rank$(cat "$MG_STATUS_DIR/signal-$rank" 2>/dev/null || mg_torchrun_signal "$rank")")
             fi
         done
         if (( stopped == WORLD_SIZE )); then
             status=75
+        elif (( done == WORLD_SIZE && MG_STATUS_LOST == 1 )); then
+            status=0
         elif (( stopped > 0 && (status == 75 || status == 0) )); then
             mg_note "only $stopped of $WORLD_SIZE ranks stopped with a checkpoint (see $LOG_DIR): the step failed" >&2
             status=1
@@ -220,20 +254,21 @@ mg_task_status() {
     fi
     (( status != 0 )) || { echo 0; return; }
     for ((rank = first; rank < first + count; rank++)); do
-        [[ "$(cat "$MG_STATUS_DIR/rank-$rank" 2>/dev/null)" == 75 ]] || { echo "$status"; return; }
+        [[ "$(mg_rank_code "$rank")" == 75 ]] || { echo "$status"; return; }
     done
     echo 0
 }
 
 # After the training step of a `train` job: requeue the job (scontrol requeue) when the trainer stopped with a
-# checkpoint (status 75) for SIGUSR1 (the signal requested before the time limit) or for a signal sent to the ranks
-# directly, not for SIGTERM (scancel; Slurm requeues preempted jobs itself). Never on 0 (done) or a failure, e.g. a
-# full disk while writing the stop checkpoint: that would requeue forever. The requeued job resumes
+# checkpoint (status 75) for SIGUSR1 (the signal requested before the time limit, whether the batch shell or only
+# the ranks got it), not for SIGTERM (scancel, `scancel --signal=TERM` to the steps alone; Slurm requeues preempted
+# jobs itself): the batch shell's own signal and the ranks' records both count. Never on 0 (done) or a failure,
+# e.g. a full disk while writing the stop checkpoint: that would requeue forever. The requeued job resumes
 # (SLURM_RESTART_COUNT > 0 adds --resume). REQUEUE=0 turns it off. $1: the step's status (mg_step_status).
 mg_requeue_if_stopped() {
     local status="$1"
     [[ "${REQUEUE:-1}" == 1 && "${MG_SUBCOMMAND:-train}" == train ]] || return 0
-    if [[ "$status" == 75 && "$MG_STOP_SIGNAL" != TERM ]]; then
+    if [[ "$status" == 75 && "$MG_STOP_SIGNAL" != TERM ]] && ! mg_ranks_stopped_by_term; then
         [[ -n "${SLURM_JOB_ID:-}" ]] || mg_die "stopped early but SLURM_JOB_ID is not set: cannot requeue"
         mg_note "training stopped before the time limit (exit $status): requeueing job $SLURM_JOB_ID; it resumes from the last checkpoint"
         scontrol requeue "$SLURM_JOB_ID"

@@ -232,14 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     return _record_exit(run_command(args.func, args))
 
 
+# The signal a StopRequested named (run_command), for the rank's record: the ranks agree on it (SIGTERM wins).
+_stopped_by: list[str] = []
+
+
 def _record_exit(code: int) -> int:
     """Writes this rank's exit code to $MG_STATUS_DIR/rank-$RANK when the launch scripts ask for it: torchrun
     reports workers that stopped with 75 as failed (1) and srun reports the highest code of its tasks, so only the
-    ranks themselves can tell the job "every rank stopped with a checkpoint" (requeue) from a failure."""
+    ranks themselves can tell the job "every rank stopped with a checkpoint" (requeue) from a failure. A 75 is
+    followed by the signal that stopped the run ("75 SIGTERM"): a SIGTERM that reached only the job's steps
+    (`scancel --signal=TERM`, no signal to the batch shell) must not requeue the job either."""
     directory = os.environ.get("MG_STATUS_DIR")
     if directory:
+        record = f"{code} {_stopped_by[-1]}" if code == EXIT_STOPPED and _stopped_by else str(code)
         try:
-            Path(directory, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
+            Path(directory, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{record}\n")
         except OSError:  # a full disk: no record reads as "did not stop cleanly", which is the safe side
             pass
     return code
@@ -254,6 +261,7 @@ def run_command(func, args) -> int:
         return func(args)
     except StopRequested as stop:
         _say(str(stop))
+        _stopped_by.append(stop.signal_name)
         return EXIT_STOPPED
     except KeyboardInterrupt:
         _say("interrupted (Ctrl-C); the checkpoints written so far are complete (continue a run with --resume)")

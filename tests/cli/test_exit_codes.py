@@ -57,3 +57,16 @@ def test_each_rank_records_its_exit_code_for_the_launch_scripts(tmp_path, monkey
     monkeypatch.delenv("MG_STATUS_DIR")
     (tmp_path / "rank-3").unlink()
     assert main(["plot", str(tmp_path / "no_such_run")]) == 2 and not (tmp_path / "rank-3").exists()
+
+
+def test_a_stop_with_a_checkpoint_records_its_signal(tmp_path, monkeypatch):
+    # launch/common.sh requeues a job whose ranks stopped with 75 only when the signal was not SIGTERM: the batch
+    # shell does not see a SIGTERM sent to the job's steps alone, so the record says which signal it was.
+    from megatron_gspo.cli.main import _record_exit
+    from megatron_gspo.errors import StopRequested
+
+    monkeypatch.setenv("MG_STATUS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    for name in ("SIGTERM", "SIGUSR1"):
+        assert _record_exit(run_command(_raise(StopRequested("stopped", name, 3)), None)) == 75
+        assert (tmp_path / "rank-1").read_text() == f"75 {name}\n"

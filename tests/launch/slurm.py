@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+MARK = "MG_TEST_SLURM_CLUSTER"
+QUEUE_ALLOWANCE = 900  # seconds a wait may add for the time its job spends queued behind the other test jobs
 
 
 def _which(name: str) -> str | None:
@@ -75,7 +77,10 @@ class SlurmCluster:
         self.node = socket.gethostname().split(".")[0]
         self.conf = self.dir / "slurm.conf"
         self.jobcomp = self.dir / "jobcomp.log"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        # Every process of this cluster carries MARK=<its directory> in its environment (daemons, slurmstepd and
+        # jobs: sbatch exports the submitter's environment): a job of another cluster or session, numbered from 1
+        # as well, is never taken for one of ours.
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{MARK: str(self.dir)})
         self._daemons: dict[str, int] = {}
 
     # ---- set up and tear down ------------------------------------------------------------------------------------
@@ -173,11 +178,13 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             raise
 
     def stop(self) -> None:
-        """Cancels what is left of the jobs, then ends slurmd, slurmctld and munged by their PIDs."""
+        """Cancels what is left of the jobs and waits for their processes to end (SIGKILL by PID after a minute),
+        then ends slurmd, slurmctld and munged by their PIDs."""
         if "slurmctld" in self._daemons:
             subprocess.run(
                 [_which("scancel"), "--full", "--user=root"], env=self.env, capture_output=True, timeout=30
             )
+            self.wait_gone(timeout=60)
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self._daemons.pop(name, None)
             if pid is None:
@@ -191,6 +198,60 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.1)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+    def processes(self, job_id: str | None = None) -> dict[int, str]:
+        """pid -> command line of this cluster's live job processes (slurmstepd included; the daemons not), of one
+        job when job_id is given (its SLURM_JOB_ID)."""
+        daemons = set(self._daemons.values())
+        found = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) in daemons or int(proc.name) == os.getpid():
+                continue
+            env = _environ(proc)
+            if env.get(MARK) != str(self.dir) or (job_id is not None and env.get("SLURM_JOB_ID") != job_id):
+                continue
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            # (Without a job id: a job's processes and slurmstepd; not a client command such as scontrol.)
+            if (
+                job_id is None and "SLURM_JOB_ID" not in env and not cmd.startswith("slurmstepd")
+            ) or not _alive(int(proc.name)):
+                continue
+            found[int(proc.name)] = cmd
+        return found
+
+    def wait_gone(self, job_ids: list[str] | None = None, timeout: float = 60) -> dict[int, str]:
+        """Waits until the jobs (all of this cluster's when None) are in a final state and none of their processes
+        is left; SIGKILLs by PID what still runs after `timeout`. Returns what had to be killed."""
+        deadline = time.time() + timeout
+        while True:
+            busy = [
+                j
+                for j, state in self.states().items()
+                if (job_ids is None or j in job_ids)
+                and state in ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED")
+            ]
+            left = {}
+            for job in job_ids or [None]:
+                left.update(self.processes(job))
+            if not busy and not left:
+                return {}
+            if time.time() > deadline:
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                return left
+            time.sleep(0.5)
+
+    def states(self) -> dict[str, str]:
+        """JobId -> JobState of every job slurmctld knows."""
+        out = self.scontrol("show", "job", "--oneliner", check=False)
+        rows = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines()]
+        return {r["JobId"]: r.get("JobState", "") for r in rows if "JobId" in r}
 
     def logs(self, lines: int = 30) -> str:
         """The daemons' log tails (for failure messages)."""
@@ -238,16 +299,31 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         timeout: float = 300,
         poll: float = 0.5,
     ) -> dict[str, str]:
-        """Waits until the job is in one of `states`; returns its record. On timeout the job is cancelled."""
+        """Waits until the job is in one of `states`; returns its record. On timeout (`extend`) the job is cancelled."""
         deadline = time.time() + timeout
+        hard = deadline + QUEUE_ALLOWANCE
         while True:
             info = self.job(job_id)
             if info.get("JobState") in states:
                 return info
             if time.time() > deadline:
-                self.run("scancel", "--full", job_id, check=False)
-                raise SlurmError(f"job {job_id} not in {states} after {timeout}s: {info}\n{self.logs()}")
+                deadline = self.extend(job_id, timeout, hard)
+                if deadline is None:
+                    self.run("scancel", "--full", job_id, check=False)
+                    raise SlurmError(f"job {job_id} not in {states} after {timeout}s: {info}\n{self.logs()}")
             time.sleep(poll)
+
+    def extend(self, job_id: str, timeout: float, hard: float) -> float | None:
+        """A new deadline for a wait of `timeout` seconds that ran out, or None when it is over: time the job spent
+        queued (pending for the CPUs other test jobs hold, or held after a requeue) does not count, up to `hard`."""
+        now = time.time()
+        if now > hard:
+            return None
+        info = self.job(job_id)
+        if info.get("JobState") == "PENDING":
+            return now + 1
+        ran = _seconds(info.get("RunTime", "0:0:0"))
+        return now + (timeout - ran) if info.get("JobState") == "RUNNING" and ran < timeout else None
 
     def completions(self, job_id: str) -> list[dict[str, str]]:
         """The job-completion log's records of this job (one per end, requeued starts included)."""
@@ -255,6 +331,21 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             return []
         rows = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in self.jobcomp.read_text().splitlines()]
         return [r for r in rows if r.get("JobId") == job_id]
+
+
+def _seconds(runtime: str) -> int:
+    """Slurm's [D-]HH:MM:SS in seconds."""
+    days, _, hms = runtime.rpartition("-")
+    h, m, sec = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+def _environ(proc: Path) -> dict[str, str]:
+    try:
+        raw = (proc / "environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def _alive(pid: int) -> bool:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+
+from tests.launch.slurm import QUEUE_ALLOWANCE, _environ, _seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 MINI = (
@@ -51,34 +55,11 @@ def _sbatch_args(launcher: str, ranks: int = 2) -> list[str]:
     return ["--exclusive=user", *per]
 
 
-def _environ(pid: str) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _job_processes(job_id: str) -> dict[str, str]:
-    """pid -> command line of every live process of the job (found by SLURM_JOB_ID in its environment)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or _environ(proc.name).get("SLURM_JOB_ID") != job_id:
-            continue
-        try:
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            found[proc.name] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def _rank_pid(job_id: str, rank: int) -> int | None:
-    for pid, cmd in _job_processes(job_id).items():
+def _rank_pid(cluster, job_id: str, rank: int) -> int | None:
+    for pid, cmd in cluster.processes(job_id).items():
         if "megatron_gspo.cli.main" in cmd and "torch.distributed.run" not in cmd and "task.sh" not in cmd:
-            if _environ(pid).get("RANK") == str(rank):
-                return int(pid)
+            if _environ(Path(f"/proc/{pid}")).get("RANK") == str(rank):
+                return pid
     return None
 
 
@@ -110,7 +91,16 @@ class Scenario:
     what happened (job records, logs, metrics, timings) for the test to check."""
 
     def __init__(
-        self, cluster, base: Path, name: str, launcher: str, overrides: str, drive, ranks: int = 2, **env: str
+        self,
+        cluster,
+        base: Path,
+        name: str,
+        launcher: str,
+        overrides: str,
+        drive,
+        ranks: int = 2,
+        sbatch: tuple[str, ...] = (),
+        **env: str,
     ):
         self.cluster, self.name, self.launcher, self.drive = cluster, name, launcher, drive
         self.dir = base / name
@@ -119,6 +109,7 @@ class Scenario:
         self.job = cluster.sbatch(
             ROOT / "launch/train.sbatch",
             *_sbatch_args(launcher, ranks),
+            *sbatch,
             env=_env(self.run_dir, launcher, overrides, ranks, **env),
             cwd=self.dir,
         )
@@ -130,14 +121,21 @@ class Scenario:
     def cancel(self):
         self.cluster.run("scancel", "--full", self.job, check=False)
 
+    def job_ids(self) -> list[str]:
+        return [self.job]
+
     def until(self, what: str, cond, timeout: float = JOB_TIMEOUT, poll: float = 0.2):
-        """Polls cond() until it returns something truthy; returns it (fails after timeout)."""
+        """Polls cond() until it returns something truthy; returns it (fails after timeout; the time the job spends
+        queued does not count: SlurmCluster.extend)."""
         deadline = time.time() + timeout
+        hard = deadline + QUEUE_ALLOWANCE
         while True:
             got = cond()
             if got:
                 return got
             if time.time() > deadline:
+                deadline = self.cluster.extend(self.job, timeout, hard)
+            if deadline is None:
                 raise AssertionError(
                     f"{self.name} (job {self.job}): no {what} after {timeout}s: "
                     f"{self.cluster.job(self.job)}\n{self.output()}"
@@ -161,13 +159,13 @@ class Scenario:
             self.seen["out"] = self.output()
             self.seen["logs"] = self.logs()
             self.seen["rows"] = _rows(self.run_dir)
-            self.seen["left"] = _job_processes(self.job)
+            self.seen["left"] = self.cluster.processes(self.job)
         except BaseException as err:  # noqa: BLE001 - re-raised in the test
             self.error = err
             self.cluster.run("scancel", "--full", self.job, check=False)
 
     def result(self) -> dict:
-        self.thread.join(JOB_TIMEOUT + 60)
+        self.thread.join(JOB_TIMEOUT + QUEUE_ALLOWANCE + 60)
         if self.error is not None:
             raise self.error
         assert not self.thread.is_alive(), f"{self.name}: scenario still running"
@@ -194,18 +192,53 @@ def _usr1_requeue(how: str):
     return drive
 
 
+def _signal_time(out: str, sig: str = "USR1") -> float | None:
+    """When the batch shell got `sig` (its `# SIGUSR1 at <UTC time>: passing it ...` line)."""
+    found = re.search(rf"# SIG{sig} at (\S+Z): passing it", out)
+    if not found:
+        return None
+    return datetime.strptime(found.group(1), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def _time_limit(s: Scenario):
+    """The time limit, with train.sbatch's own `#SBATCH --signal=B:USR1@600`. Submitted with `--time=60`; once the
+    first step is logged the limit is cut to the minutes the job has run plus 10 (`scontrol update TimeLimit`): the
+    early signal is then due at once, slurmctld sends it at its next limit check (every 30 s), and the limit itself
+    is at least 9 minutes away. As soon as the job is requeued the limit goes back to 60 minutes, before the new start
+    (held `cred_expire` + 1 s) could be signalled again. The resumed start is stopped once it logged a step (the
+    run has 1000 steps: the first start must still be training when the signal comes) with `scancel --signal=TERM`,
+    which signals the job's steps but not the batch shell: a stop for SIGTERM, which must not requeue the job."""
+    s.until("first step", lambda: _rows(s.run_dir))
+    ran = _seconds(s.cluster.job(s.job)["RunTime"])
+    s.cluster.scontrol("update", f"JobId={s.job}", f"TimeLimit={ran // 60 + 10}")
+    s.seen["limit_cut"] = time.time()
+    s.until("requeue", lambda: int(s.cluster.job(s.job).get("Restarts", "0")) >= 1, timeout=180, poll=0.1)
+    t_requeue = time.time()
+    s.cluster.scontrol("update", f"JobId={s.job}", "TimeLimit=60")
+    s.seen["checkpoint"] = s.until("stop checkpoint", lambda: _latest(s.run_dir))
+    s.seen["checkpoint_written"] = (s.run_dir / "checkpoints" / "latest").stat().st_mtime
+    step = s.seen["checkpoint"][1]
+    s.until("resumed step", lambda: any(r["step"] > step for r in _rows(s.run_dir)), poll=0.1)
+    s.seen["requeue_to_resumed_step_s"] = time.time() - t_requeue
+    s.cluster.run("scancel", "--signal=TERM", s.job)
+    s.seen["end"] = s.cluster.wait(s.job, timeout=120)
+    _gone(s)
+
+
 def _kill_rank(s: Scenario):
     """SIGKILL rank 1 once a checkpoint is complete; the job must fail on its own, quickly."""
     s.seen["checkpoint"] = s.until("first checkpoint", lambda: _latest(s.run_dir))
-    pid = s.until("rank 1", lambda: _rank_pid(s.job, 1))
+    pid = s.until("rank 1", lambda: _rank_pid(s.cluster, s.job, 1))
     os.kill(pid, 9)
+    killed = time.time()
     s.seen["end"] = s.cluster.wait(s.job, timeout=120)
+    s.seen["kill_to_end_s"] = time.time() - killed
 
 
 def _gone(s: Scenario, timeout: float = 90):
     """Waits until no process of the job is left (a cancelled job's state is final while its processes still end)."""
     try:
-        s.until("end of the job's processes", lambda: not _job_processes(s.job), timeout=timeout)
+        s.until("end of the job's processes", lambda: not s.cluster.processes(s.job), timeout=timeout)
     except AssertionError:
         pass  # not a pass: each test then asserts `not seen["left"]`, listing the processes still alive
 
@@ -267,6 +300,9 @@ class Pipeline(Scenario):
         for job in self.jobs.values():
             self.cluster.run("scancel", "--full", job, check=False)
 
+    def job_ids(self) -> list[str]:
+        return list(self.jobs.values())
+
     def _run(self):
         try:
             hf = self.dir / "tiny-hf"
@@ -294,7 +330,9 @@ class Pipeline(Scenario):
                     "RL_ROLLOUT_MODE": "none",
                     "GPUS_PER_NODE": "1",
                     "LAUNCHER": "torchrun",
-                    "SBATCH_ARGS": "--exclusive=user --cpus-per-task=1",
+                    # --priority=TOP: the chain of five jobs is the module's longest; each starts at the first
+                    # free CPU instead of queueing behind the other scenarios' jobs.
+                    "SBATCH_ARGS": "--exclusive=user --cpus-per-task=1 --priority=TOP",
                     "TRAIN_OVERRIDES": f"{MINI} trainer.steps=2 sft.max_steps=2 sft.eval_every=2 "
                     "sft.eval_prompts=4 sft.batch_size=8",
                 },
@@ -312,9 +350,8 @@ class Pipeline(Scenario):
                 step: self.cluster.completions(job) for step, job in self.jobs.items()
             }
             self.seen["out"] = self.output()
-            self.seen["left"] = {
-                job: _job_processes(job) for job in self.jobs.values() if _job_processes(job)
-            }
+            left = {job: self.cluster.processes(job) for job in self.jobs.values()}
+            self.seen["left"] = {job: procs for job, procs in left.items() if procs}
         except BaseException as err:  # noqa: BLE001 - re-raised in the test
             self.error = err
             self.cancel()
@@ -334,6 +371,16 @@ def scenarios(slurm_cluster, tmp_path_factory):
             "torchrun",
             "trainer.steps=4 trainer.ckpt_every=0",
             _usr1_requeue("batch"),
+        )
+        started["time_limit_torchrun1"] = Scenario(
+            slurm_cluster,
+            base,
+            "time-limit-torchrun1",
+            "torchrun",
+            "trainer.steps=1000 trainer.ckpt_every=0",
+            _time_limit,
+            ranks=1,
+            sbatch=("--time=60",),
         )
         started["usr1_full_srun"] = Scenario(
             slurm_cluster,
@@ -385,8 +432,12 @@ def scenarios(slurm_cluster, tmp_path_factory):
         started["pipeline"] = Pipeline(slurm_cluster, base, "pipeline")
         yield started
     finally:
+        # Nothing of these jobs outlives the module: each is cancelled (a no-op once it ended) and waited for until
+        # it is in a final state with no process left (SIGKILLed by PID after a minute).
         for s in started.values():
             s.cancel()
+        left = slurm_cluster.wait_gone([j for s in started.values() for j in s.job_ids()], timeout=60)
+        assert not left, f"processes of the test jobs still running a minute after scancel (killed): {left}"
 
 
 @pytest.mark.parametrize("name", ["usr1_batch_torchrun", "usr1_full_srun"])
@@ -420,6 +471,37 @@ def test_usr1_checkpoints_exits_75_requeues_and_resumes(scenarios, name):
     assert not seen["left"], seen["left"]
 
 
+def test_time_limit_signal_checkpoints_exits_75_requeues_and_resumes(scenarios):
+    # `#SBATCH --signal=B:USR1@600` reaching its time limit for real (the other requeue tests send SIGUSR1 with
+    # scancel): checkpoint, 75, requeue by the script, resume at the next step; both starts' logs kept.
+    # The second start, stopped by a SIGTERM to its steps alone, ends with the ranks' 75 (FAILED, exit 75) and
+    # without a second requeue: the batch shell got no signal, the ranks' records say SIGTERM.
+    s = scenarios["time_limit_torchrun1"]
+    seen = s.result()
+    ctx = f"{seen['out']}\n{seen['logs']}"
+    end = seen["end"]
+    assert end["JobState"] == "FAILED" and end["ExitCode"] == "75:0" and end["Restarts"] == "1", (end, ctx)
+    states = [c["JobState"] for c in seen["completions"]]
+    assert len(states) == 2 and states[0] in ("REQUEUED", "PENDING") and states[1] == "FAILED", seen[
+        "completions"
+    ]
+    assert seen["out"].count("# SIGUSR1 at ") == 1 and seen["out"].count(f"requeueing job {s.job}") == 1, ctx
+    assert "# SIGTERM at " not in seen["out"], ctx  # the batch shell did not get the second stop
+    assert seen["out"].index(f"job {s.job}, start 1") < seen["out"].index(f"job {s.job}, start 2"), ctx
+    assert seen["logs"].count("training node 0") == 2, ctx
+    signalled = _signal_time(seen["out"])
+    _, step = seen["checkpoint"]
+    print(
+        f"time limit: SIGUSR1 {signalled - seen['limit_cut']:.0f} s after the limit was cut, stop checkpoint "
+        f"{seen['checkpoint_written'] - signalled:.0f} s after it (1 s resolution), requeue -> first resumed step "
+        f"{seen['requeue_to_resumed_step_s']:.1f} s (checkpoint at step {step})"
+    )
+    # Every step once, in order, across both starts (the second start's SIGTERM adds its own stop checkpoint).
+    steps = [r["step"] for r in seen["rows"]]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] > step >= 1, (steps, ctx)
+    assert not seen["left"], seen["left"]
+
+
 @pytest.mark.parametrize("name", ["kill_torchrun", "kill_srun"])
 def test_a_killed_rank_fails_the_job(scenarios, name):
     s = scenarios[name]
@@ -429,7 +511,7 @@ def test_a_killed_rank_fails_the_job(scenarios, name):
     assert [c["JobState"] for c in seen["completions"]] == ["FAILED"], seen["completions"]
     lines = [line for line in seen["out"].splitlines() if "training failed" in line]
     assert len(lines) == 1 and "rank 1" in lines[0], ctx
-    print(f"{name}: {lines[0]}")
+    print(f"{name}: FAILED {seen['kill_to_end_s']:.1f} s after the SIGKILL: {lines[0]}")
     # The signal: the srun task saw its rank die of it; torchrun's failure report in the node log names it.
     assert "rank 1 (SIGKILL)" in lines[0], lines
     # The last complete checkpoint is untouched: `latest` still names a complete one.
