@@ -251,11 +251,12 @@ class RunConfig:
     (unknown keys and bad values named) when the engine is built."""
 
     def __post_init__(self) -> None:
-        correction = self.rollout.correction.resolved()
-        named = f"rollout.correction.preset={self.rollout.correction.preset} (level=token)" if (
-            self.rollout.correction.preset and self.rollout.correction.level != "token") else "rollout.correction.level=token"
+        asked = self.rollout.correction
+        correction = asked.resolved()
         if correction.level == "token" and make_policy_loss(self.loss).sequence_level:
             # GSPO's loss only sees per-sequence log-prob sums: per-token weights would be silently ignored.
+            named = "rollout.correction.level=token" if asked.level == "token" else (
+                f"rollout.correction.preset={asked.preset} (level=token)")
             raise ValueError(
                 f"{named} has no effect with loss.algorithm={self.loss.algorithm} (a "
                 "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"

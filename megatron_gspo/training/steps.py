@@ -103,20 +103,21 @@ def policy_forward_step(
             )
             if loss_fn.sequence_level:
                 old_sum = (mb.old_logprobs_NS * mb.loss_mask_NS).sum(-1)
-                args = (lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N)
-
-                def loss_of(rows=slice(None), detach=False):
-                    first = args[0].detach() if detach else args[0]
-                    return loss_fn.from_sums(first[rows], *(a[rows] for a in args[1:]), num_sequences=1)
+                call, args = loss_fn.from_sums, (lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N)
+                kwargs = {"num_sequences": 1}
             else:
                 adv = mb.advantages_N
                 if mb.extra.get("token_weights_NS") is not None:
                     adv = adv[:, None] * mb.extra["token_weights_NS"]
-                args = (scatter_to_rows(lp.token_logprobs, mb.loss_mask_NS), mb.old_logprobs_NS, adv, mb.loss_mask_NS)
+                token_NS = scatter_to_rows(lp.token_logprobs, mb.loss_mask_NS)
+                call, args = loss_fn, (token_NS, mb.old_logprobs_NS, adv, mb.loss_mask_NS)
+                kwargs = {"num_sequences": 1, "num_tokens": 1}
 
-                def loss_of(rows=slice(None), detach=False):
-                    first = args[0].detach() if detach else args[0]
-                    return loss_fn(first[rows], *(a[rows] for a in args[1:]), num_sequences=1, num_tokens=1)
+            def loss_of(rows=slice(None), detach=False):
+                # args[0] holds the differentiable log-probs; a metrics-only pass (staleness buckets) detaches them.
+                first = args[0].detach() if detach else args[0]
+                return call(first[rows], *(a[rows] for a in args[1:]), **kwargs)
+
             res = loss_of()
             metrics = {k: v.detach() for k, v in res.metrics.items()}
             if consumer_version is not None and mb.weight_version_N is not None:

@@ -78,3 +78,17 @@ def test_metrics_per_staleness_bucket_cover_both_ranks(ranks):
     assert sum(b["n"] for b in buckets.values()) == metrics["num_sequences"] == 8 * 4
     for name in ("mismatch_seq_weight_prod_mean", "mismatch_seq_weight_geo_mean", "mismatch_is_weight_frac_below"):
         assert name in metrics
+
+
+def test_engine_logprobs_report_the_mismatch_per_bucket(tmp_path):
+    """pi_old = the engine's log-probs: the mismatch is measured on the first minibatch, per staleness bucket too."""
+    out = run_distributed(mixed_staleness_step, str(tmp_path / "engine"), ["rollout.old_logprobs=engine"],
+                          world_size=1)[0]
+    metrics = out["metrics"]
+    versions = out["seen"]["trained"][0]["weight_version_N"].tolist()
+    for s in sorted({-v for v in versions}):
+        key = f"staleness_{s}/"
+        assert metrics[key + "samples"] == sum(-v == s for v in versions)
+        for name in ("mismatch_seq_ratio_mean", "mismatch_approx_kl", "clip_frac_high_seq", "reward_mean"):
+            assert key + name in metrics, key + name
+    assert not [k for k in metrics if k.endswith("/mismatch_kl")]  # no recompute pass: no k3 against it
