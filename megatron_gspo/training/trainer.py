@@ -157,7 +157,8 @@ class GSPOTrainer:
         if saved.is_file():
             aux = self.cfg.model.model_config().router_aux_loss_coef
             for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"],
-                                              router_aux_loss_coef=aux, reshardable=True):
+                                              router_aux_loss_coef=aux, reshardable=True,
+                                              defaults=RunConfig().to_dict()):
                 log.info("resume: %s", change)
         else:
             log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
