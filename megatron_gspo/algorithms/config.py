@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
-from megatron_gspo.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
+from megatron_gspo.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES, SEQUENCE_WEIGHTS
 from megatron_gspo.algorithms.grpo import GRPO_AGGREGATIONS, GRPO_CLIP_HIGH, GRPO_CLIP_LOW
 from megatron_gspo.algorithms.gspo import GSPO_CLIP_HIGH, GSPO_CLIP_LOW
 
@@ -35,6 +35,15 @@ class PolicyLossConfig:
     """eps_high: the upper clip bound is 1 + clip_high; None = the paper's value (GSPO 4e-4, GRPO 0.27)."""
     grpo_aggregation: str = "seq-mean-token-mean"
     """GRPO only: "seq-mean-token-mean" (Eq.2) or "token-mean" (every token weighs the same)."""
+    mask_truncated: bool = False
+    """Responses cut at rollout.max_new_tokens (finish_reason 'length') contribute no gradient: their advantage
+    is 0 (DAPO's overlong filtering); they still count in the batch size, as zero-variance groups do."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment, L_cache (0 = off): with L_max = rollout.max_new_tokens a response of
+    length L gets (L_max - L_cache - L) / L_cache * overlong_penalty_factor added to its reward when
+    L > L_max - L_cache (down to -factor at L_max), 0 otherwise."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty (DAPO: 1)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -49,6 +58,12 @@ class PolicyLossConfig:
                 f"loss.clip_high={self.clip_high!r} must be a number >= 0 (upper bound 1 + clip_high), "
                 "or null for the paper's value"
             )
+        if isinstance(self.overlong_buffer, bool) or not isinstance(self.overlong_buffer, int) or (
+            self.overlong_buffer < 0
+        ):
+            raise ValueError(f"loss.overlong_buffer={self.overlong_buffer!r} must be an integer >= 0 (0 = off)")
+        if not (_is_number(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
+            raise ValueError(f"loss.overlong_penalty_factor={self.overlong_penalty_factor!r} must be a number >= 0")
         if self.grpo_aggregation not in GRPO_AGGREGATIONS:
             raise ValueError(
                 f"loss.grpo_aggregation={self.grpo_aggregation!r} is unknown; "
@@ -64,26 +79,102 @@ class PolicyLossConfig:
         return low, high
 
 
+CORRECTION_PRESETS: dict[str, dict] = {
+    "monitor": {},
+    "gspo_seq_tis": {"level": "sequence", "mode": "truncate", "threshold": 2.0},
+    "gspo_seq_mis": {"level": "sequence", "mode": "mask", "threshold": 2.0},
+    "gspo_geo_band": {"level": "off", "geo_mask_low": 0.99, "geo_mask_high": 1.01},
+    "gspo_decoupled": {"level": "sequence", "mode": "mask", "threshold": 5.0},
+    "grpo_token_tis": {"level": "token", "mode": "truncate", "threshold": 2.0},
+    "grpo_token_mis": {"level": "token", "mode": "mask", "threshold": 2.0},
+    "grpo_icepop": {"level": "token", "mode": "mask", "threshold": 2.0, "mask_below": 0.5},
+    "grpo_decoupled": {"level": "token", "mode": "mask", "threshold": 5.0},
+}
+"""Named corrections (`rollout.correction.preset`), each needing rollout.old_logprobs=recompute (pi_prox = the
+trainer's recomputed log-probs, pi_behav = the engine's):
+- monitor: no weight; the mismatch is logged (the default behaviour).
+- gspo_seq_tis / gspo_seq_mis: the length-normalised sequence weight exp(mean_t log pi_prox/pi_behav), truncated
+  at / masked above 2 (GSPO's own form of the correction, §5.4).
+- gspo_geo_band: SkyRL's recommendation for MoE with R3: keep a sequence only when exp(mean) is in [0.99, 1.01].
+- gspo_decoupled / grpo_decoupled: AReaL's decoupled PPO objective, importance weight pi_prox/pi_behav (sequence
+  form for GSPO, per token for GRPO / GSPO-token) times the clipped ratio pi_theta/pi_prox, masked above 5.
+- grpo_token_tis / grpo_token_mis: per-token truncated / masked importance sampling, C = 2.
+- grpo_icepop: icepop's two-sided token mask, tokens whose ratio leaves [1/2, 2] are dropped.
+Token-level presets need a token-level loss (grpo, gspo_token)."""
+
+
 @dataclass
 class RolloutCorrectionConfig:
-    """Importance correction for rollouts sampled by another engine (config section `rollout_correction`)."""
+    """Importance correction between the trainer's and the rollout engine's log-probs (config section
+    `rollout.correction`); `resolved()` is what the trainer applies."""
 
+    preset: str | None = None
+    """A named correction (CORRECTION_PRESETS); keys set here to a value other than their default override it."""
     level: str = "off"
     """Per "token", per "sequence" (exp of the mean token log-ratio), or "off" (monitor the mismatch only)."""
     mode: str = "truncate"
-    """Weights above `threshold` are cut to it ("truncate") or set to 0 ("mask")."""
+    """Weights above `threshold` are cut to it ("truncate", TIS) or set to 0 ("mask", MIS)."""
     threshold: float = 2.0
     """Largest weight kept as is (>= 1)."""
+    mask_below: float | None = None
+    """Weights below this are set to 0 too (two-sided mask; icepop: 1 / threshold at token level); null = off."""
+    sequence_weight: str = "geometric"
+    """level=sequence: "geometric" exp(mean_t d) (length-normalised) or "product" exp(sum_t d) (unbiased; tiny
+    or huge on long answers). Both are logged whatever is chosen."""
+    geo_mask_low: float | None = None
+    """Geometric mask band: a sequence whose exp(mean_t d) is below this contributes nothing (null = no bound)."""
+    geo_mask_high: float | None = None
+    """Geometric mask band: a sequence whose exp(mean_t d) is above this contributes nothing (null = no bound)."""
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in CORRECTION_PRESETS:
+            raise ValueError(
+                f"rollout.correction.preset={self.preset!r} is unknown; choose one of {', '.join(CORRECTION_PRESETS)}"
+            )
         if self.level not in CORRECTION_LEVELS:
             raise ValueError(
-                f"rollout_correction.level={self.level!r} is unknown; choose off, token or sequence"
+                f"rollout.correction.level={self.level!r} is unknown; choose off, token or sequence"
             )
         if self.mode not in CORRECTION_MODES:
-            raise ValueError(f"rollout_correction.mode={self.mode!r} is unknown; choose truncate or mask")
+            raise ValueError(f"rollout.correction.mode={self.mode!r} is unknown; choose truncate or mask")
         if not (_is_number(self.threshold) and self.threshold >= 1.0):
             raise ValueError(
-                f"rollout_correction.threshold={self.threshold!r} must be a number >= 1 "
+                f"rollout.correction.threshold={self.threshold!r} must be a number >= 1 "
                 "(weights above it are truncated or masked)"
             )
+        if self.mask_below is not None and not (_is_number(self.mask_below) and 0.0 <= self.mask_below <= 1.0):
+            raise ValueError(
+                f"rollout.correction.mask_below={self.mask_below!r} must be a number in [0, 1] or null (off)"
+            )
+        if self.sequence_weight not in SEQUENCE_WEIGHTS:
+            raise ValueError(
+                f"rollout.correction.sequence_weight={self.sequence_weight!r} is unknown; choose geometric or product"
+            )
+        for name, bound in (("geo_mask_low", self.geo_mask_low), ("geo_mask_high", self.geo_mask_high)):
+            if bound is not None and not (_is_number(bound) and bound > 0):
+                raise ValueError(f"rollout.correction.{name}={bound!r} must be a number > 0 or null (no bound)")
+        if self.geo_mask_low is not None and self.geo_mask_low > 1.0:
+            raise ValueError(
+                f"rollout.correction.geo_mask_low={self.geo_mask_low} must be <= 1 (it would drop every sequence "
+                "without a mismatch)"
+            )
+        if self.geo_mask_high is not None and self.geo_mask_high < 1.0:
+            raise ValueError(
+                f"rollout.correction.geo_mask_high={self.geo_mask_high} must be >= 1 (it would drop every sequence "
+                "without a mismatch)"
+            )
+
+    def resolved(self) -> RolloutCorrectionConfig:
+        """The correction to apply: the preset's values, then every key set to a non-default value (no preset:
+        this config)."""
+        if self.preset is None:
+            return self
+        defaults = RolloutCorrectionConfig()
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "preset"}
+        overrides = {k: v for k, v in own.items() if v != getattr(defaults, k)}
+        return replace(defaults, **{**CORRECTION_PRESETS[self.preset], **overrides})
+
+    @property
+    def active(self) -> bool:
+        """Whether anything changes the loss (a weight or a mask band), as opposed to logging the mismatch only."""
+        return self.level != "off" or self.geo_mask_low is not None or self.geo_mask_high is not None

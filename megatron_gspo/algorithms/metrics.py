@@ -48,9 +48,27 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "is_weight_max": "max",
     "is_weight_count": "sum",
     "is_weight_frac_above": "is_weight_count",
+    "is_weight_frac_below": "is_weight_count",
     "is_weight_mean_applied": "is_weight_count",
+    "mismatch_frac_ratio_above_2": "num_tokens",
+    "seq_weight_geo_mean": "num_sequences",
+    "seq_weight_geo_min": "min",
+    "seq_weight_geo_max": "max",
+    "seq_weight_prod_mean": "num_sequences",
+    "seq_weight_prod_min": "min",
+    "seq_weight_prod_max": "max",
+    "seq_log_weight_sum_mean": "num_sequences",
+    # off_policy.py: the geometric mask band, truncated / overlong answers, rollouts per staleness bucket
+    "geo_mask_frac": "num_sequences",
+    "samples": "sum",
+    "reward_mean": "samples",
+    "response_length": "samples",
+    "truncated_frac": "samples",
+    "overlong_penalty_mean": "samples",
+    "overlong_penalized_frac": "samples",
 }
-"""How each metric combines across parts: weighted mean by the named count, or min / max / sum."""
+"""How each metric combines across parts: weighted mean by the named count, or min / max / sum. A key
+"<bucket>/<name>" (staleness buckets, `staleness.py`) follows the rule of <name>, weighted by "<bucket>/<count>"."""
 
 
 def _fp32(value: torch.Tensor) -> torch.Tensor:
@@ -152,16 +170,21 @@ def combine_metrics(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
     """Combine the metrics of micro-batches / ranks into the metrics of their union (see METRIC_REDUCTIONS).
 
     Means are re-weighted by each part's num_sequences or num_tokens, min / max / counts reduce directly; the
-    result equals the metrics the full batch would report. Keys outside METRIC_REDUCTIONS raise a ValueError.
+    result equals the metrics the full batch would report. A key combines over the parts that hold it (a
+    staleness bucket is absent from parts without such samples). Keys outside METRIC_REDUCTIONS raise a
+    ValueError.
     """
     if not parts:
         raise ValueError("combine_metrics needs at least one part")
     out: dict[str, torch.Tensor] = {}
-    for key in parts[0]:
-        reduction = METRIC_REDUCTIONS.get(key)
+    keys = list(dict.fromkeys(key for p in parts for key in p))
+    for key in keys:
+        bucket, _, name = key.rpartition("/")
+        reduction = METRIC_REDUCTIONS.get(name)
         if reduction is None:
             raise ValueError(f"metric {key!r} has no reduction rule; add it to METRIC_REDUCTIONS")
-        values = torch.stack([p[key].detach().to(torch.float64) for p in parts])
+        holders = [p for p in parts if key in p]
+        values = torch.stack([p[key].detach().to(torch.float64) for p in holders])
         if reduction == "sum":
             out[key] = _fp32(values.sum())
         elif reduction == "min":
@@ -169,6 +192,7 @@ def combine_metrics(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
         elif reduction == "max":
             out[key] = _fp32(values.max())
         else:
-            weights = torch.stack([p[reduction].detach().to(torch.float64) for p in parts])
+            weight_key = f"{bucket}/{reduction}" if bucket else reduction
+            weights = torch.stack([p[weight_key].detach().to(torch.float64) for p in holders])
             out[key] = _fp32(_safe_mean((values * weights).sum(), weights.sum()))
     return out

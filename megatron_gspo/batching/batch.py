@@ -49,6 +49,10 @@ class RolloutBatch:
     response_lens_N: torch.Tensor | None = None
     seq_index_N: torch.Tensor | None = None
     """Index of each row in the rollout batch (routing replay looks routes up by it)."""
+    weight_version_N: torch.Tensor | None = None
+    """The weight version that sampled each row (`Rollout.weight_version`); staleness = consuming step - it."""
+    truncated_N: torch.Tensor | None = None
+    """True for responses cut at max_new_tokens (finish_reason 'length')."""
     extra: dict = field(default_factory=dict)
     rollouts: list | None = None
     """The Rollout objects of the whole batch, in row order (not carried into sub-batches)."""
@@ -84,6 +88,8 @@ class RolloutBatch:
             prompt_lens_N=move(self.prompt_lens_N),
             response_lens_N=move(self.response_lens_N),
             seq_index_N=move(self.seq_index_N),
+            weight_version_N=move(self.weight_version_N),
+            truncated_N=move(self.truncated_N),
             extra={k: move(v) for k, v in self.extra.items()},
             rollouts=self.rollouts,
         )
@@ -104,6 +110,8 @@ class RolloutBatch:
             prompt_lens_N=pick(self.prompt_lens_N),
             response_lens_N=pick(self.response_lens_N),
             seq_index_N=pick(self.seq_index_N),
+            weight_version_N=pick(self.weight_version_N),
+            truncated_N=pick(self.truncated_N),
             extra={k: v[idx] for k, v in self.extra.items()},
         )
 
@@ -172,5 +180,7 @@ def pack_rollouts(
         prompt_lens_N=p_lens,
         response_lens_N=r_lens,
         seq_index_N=torch.arange(n),
+        weight_version_N=torch.tensor([int(r.weight_version) for r in rollouts], dtype=torch.long),
+        truncated_N=torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool),
         rollouts=list(rollouts),
     )

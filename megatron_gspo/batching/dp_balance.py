@@ -127,5 +127,7 @@ def _concat(parts: list[RolloutBatch]) -> RolloutBatch:
         prompt_lens_N=cat("prompt_lens_N"),
         response_lens_N=cat("response_lens_N"),
         seq_index_N=cat("seq_index_N"),
+        weight_version_N=cat("weight_version_N"),
+        truncated_N=cat("truncated_N"),
         extra={k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra},
     )

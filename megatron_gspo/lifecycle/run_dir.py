@@ -129,9 +129,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
-    """(key, saved value, current value) for every leaf that differs; a missing leaf reads as `<unset>`."""
+def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> list[tuple[str, object, object]]:
+    """(key, saved value, current value) for every leaf that differs; a missing leaf reads as `<unset>`, except that
+    a leaf the saved config lacks reads as its value in `defaults` (the schema's defaults: a checkpoint written
+    before a key existed ran with that key's default)."""
     a, b = _flatten(config_tree(saved)), _flatten(config_tree(current))
+    if defaults is not None:
+        a = {**_flatten(config_tree(defaults)), **a}
     unset = "<unset>"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in sorted(set(a) | set(b)) if a.get(k, unset) != b.get(k, unset)]
 
@@ -149,18 +153,19 @@ def check_resume_config(
     *,
     router_aux_loss_coef: float = 0.0,
     reshardable: bool = False,
+    defaults: dict | None = None,
 ) -> list[str]:
     """Raises ValueError (one line) when the current config differs from the checkpoint's in keys a resumed run
     cannot change (RESUMABLE, and RESHARDABLE for a `reshardable` checkpoint; PER_MICRO_BATCH too when the model's
     `router_aux_loss_coef` > 0), or asks for fewer steps than were done; returns the allowed changes as
-    'key: old -> new'."""
+    'key: old -> new'. `defaults`: the schema's default config, standing in for keys the saved config lacks."""
     try:
         saved = yaml.safe_load(saved_text)
     except yaml.YAMLError as err:
         raise ValueError(f"{checkpoint}/run_config.yaml is not valid YAML: {err}".splitlines()[0]) from err
     if not isinstance(saved, dict):
         raise ValueError(f"{checkpoint}/run_config.yaml does not hold a run config")
-    changes = config_changes(saved, current)
+    changes = config_changes(saved, current, defaults)
     refused = [c for c in changes if not resumable(c[0], reshardable=reshardable)]
     if router_aux_loss_coef > 0:
         per_micro = [c for c in changes if c[0] in PER_MICRO_BATCH]

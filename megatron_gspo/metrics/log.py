@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.algorithms import combine_metrics
+from megatron_gspo.algorithms import CORRECTION_METRICS, combine_metrics, has_stale_buckets
 
 # Loss metrics shown on the progress bar (the paper reports clip fractions split lower/upper).
 _BAR_KEYS = ("reward_mean", "clip_frac_low_tok", "clip_frac_high_tok")
@@ -26,7 +26,9 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
     from its TP rank 0 of the last pipeline stage, rollout statistics and the train / rollout mismatch from its
     first model-parallel rank) and the shares combine like the full batch would (`combine_metrics`; counts add
     up). Expert drift and routing mismatch are combined over replicas where they are measured
-    (`store_route_change`). `grad_norm` is the mean over the minibatch steps taken; skipped steps are counted in
+    (`store_route_change`). Loss, mismatch and rollout metrics per staleness bucket ("staleness_<s>/<name>",
+    algorithms/staleness.py) combine the same way and are reported when any sample of the step is stale.
+    `grad_norm` is the mean over the minibatch steps taken; skipped steps are counted in
     `skipped_steps` instead (NaN only when every step was skipped).
     """
     from megatron.core import parallel_state as ps
@@ -50,13 +52,21 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
         out.update({k: float(v) for k, v in combine_metrics(parts).items()})
     engine_parts = [_tensors(g["engine"]) for g in gathered if g["engine"]]
     if engine_parts:
-        merged = combine_metrics(engine_parts)
-        for key in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "approx_kl"):
-            out[f"mismatch_{key}"] = float(merged[key])
+        for key, value in combine_metrics(engine_parts).items():
+            bucket, _, name = key.rpartition("/")
+            if name in ("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "approx_kl"):
+                out[f"{bucket}/mismatch_{name}" if bucket else f"mismatch_{name}"] = float(value)
     mismatch_parts = [_tensors(g["mismatch"]) for g in gathered if g["mismatch"]]
     if mismatch_parts:
-        for k, v in combine_metrics(mismatch_parts).items():
-            out[k if k.startswith("mismatch") else f"mismatch_{k}"] = float(v)
+        for key, value in combine_metrics(mismatch_parts).items():
+            # The correction's metrics are named mismatch_*; the rollouts' (overlong, per bucket) keep their names.
+            bucket, _, name = key.rpartition("/")
+            if name in CORRECTION_METRICS and not name.startswith("mismatch"):
+                name = f"mismatch_{name}"
+            out[f"{bucket}/{name}" if bucket else name] = float(value)
+    if not has_stale_buckets(out):
+        # Synchronous RL: every sample has staleness 0, and bucket 0 would repeat the batch's metrics.
+        out = {k: v for k, v in out.items() if not k.startswith("staleness_")}
     # Equal-sized shares per data-parallel rank: the mean of the replicas' means is the batch mean.
     rollouts = [g["rollout"] for g in gathered if g["rollout"] is not None]
     for key in rollouts[0]:

@@ -251,11 +251,27 @@ class RunConfig:
     (unknown keys and bad values named) when the engine is built."""
 
     def __post_init__(self) -> None:
-        if self.rollout.correction.level == "token" and make_policy_loss(self.loss).sequence_level:
+        asked = self.rollout.correction
+        correction = asked.resolved()
+        if correction.level == "token" and make_policy_loss(self.loss).sequence_level:
             # GSPO's loss only sees per-sequence log-prob sums: per-token weights would be silently ignored.
+            named = "rollout.correction.level=token" if asked.level == "token" else (
+                f"rollout.correction.preset={asked.preset} (level=token)")
             raise ValueError(
-                f"rollout.correction.level=token has no effect with loss.algorithm={self.loss.algorithm} (a "
+                f"{named} has no effect with loss.algorithm={self.loss.algorithm} (a "
                 "sequence-level loss); use rollout.correction.level=sequence, or loss.algorithm=gspo_token or grpo"
+            )
+        if correction.active and self.rollout.old_logprobs == "engine":
+            # pi_old IS the engine's then: the weight pi_prox / pi_behav would be 1 and nothing would be corrected.
+            raise ValueError(
+                "rollout.correction needs rollout.old_logprobs=recompute (the correction weighs the trainer's "
+                "recomputed log-probs against the engine's); with old_logprobs=engine set rollout.correction.level=off "
+                "and no preset or mask band"
+            )
+        if self.loss.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"loss.overlong_buffer={self.loss.overlong_buffer} must be <= rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens} (the penalty ramps over the last overlong_buffer tokens)"
             )
         drift_rows, t = MoEConfig.from_dict(self.moe).drift_sample_sequences, self.trainer
         if drift_rows > t.micro_batch_size and drift_rows % t.micro_batch_size and not t.max_tokens_per_micro_batch:

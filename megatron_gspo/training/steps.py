@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_gspo.algorithms import by_staleness
 from megatron_gspo.batching.batch import RolloutBatch
 from megatron_gspo.batching.inputs import (
     ModelInputs,
@@ -69,7 +70,13 @@ def policy_units(loss_fn):
 
 
 def policy_forward_step(
-    loss_fn, vocab_size: int, temperature: float, before_forward=None, *, logprob_path: str = "logits"
+    loss_fn,
+    vocab_size: int,
+    temperature: float,
+    before_forward=None,
+    *,
+    logprob_path: str = "logits",
+    consumer_version: int | None = None,
 ):
     """The forward step megatron's schedule calls per micro-batch during a policy update.
 
@@ -78,7 +85,9 @@ def policy_forward_step(
     With `calculate_per_token_loss` megatron divides the gradient by the global number of units, so the update is
     exactly that of the full minibatch's mean loss (training/engine.py). `before_forward(mb)` runs right before
     each micro-batch's model forward (routing replay selects that micro-batch's routes there). `logprob_path`:
-    fused (hidden states -> response-token log-probs) or logits (batching/logprobs.py).
+    fused (hidden states -> response-token log-probs) or logits (batching/logprobs.py). With `consumer_version`
+    (the weight version being trained) and rows that carry their weight version, the loss metrics are also
+    reported per staleness bucket (algorithms/staleness.py), from the same log-probs, detached.
     """
     units_of = policy_units(loss_fn)
 
@@ -94,15 +103,29 @@ def policy_forward_step(
             )
             if loss_fn.sequence_level:
                 old_sum = (mb.old_logprobs_NS * mb.loss_mask_NS).sum(-1)
-                res = loss_fn.from_sums(lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N, num_sequences=1)
+                call, args = loss_fn.from_sums, (lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N)
+                kwargs = {"num_sequences": 1}
             else:
                 adv = mb.advantages_N
                 if mb.extra.get("token_weights_NS") is not None:
                     adv = adv[:, None] * mb.extra["token_weights_NS"]
                 token_NS = scatter_to_rows(lp.token_logprobs, mb.loss_mask_NS)
-                res = loss_fn(token_NS, mb.old_logprobs_NS, adv, mb.loss_mask_NS, num_sequences=1, num_tokens=1)
+                call, args = loss_fn, (token_NS, mb.old_logprobs_NS, adv, mb.loss_mask_NS)
+                kwargs = {"num_sequences": 1, "num_tokens": 1}
+
+            def loss_of(rows=slice(None), detach=False):
+                # args[0] holds the differentiable log-probs; a metrics-only pass (staleness buckets) detaches them.
+                first = args[0].detach() if detach else args[0]
+                return call(first[rows], *(a[rows] for a in args[1:]), **kwargs)
+
+            res = loss_of()
+            metrics = {k: v.detach() for k, v in res.metrics.items()}
+            if consumer_version is not None and mb.weight_version_N is not None:
+                with torch.no_grad():
+                    metrics.update(by_staleness(consumer_version - mb.weight_version_N,
+                                                lambda rows: loss_of(rows, detach=True).metrics))
             units = torch.tensor(units_of(mb), dtype=torch.int, device=mb.tokens_NL.device)
-            return res.loss, units, {k: v.detach() for k, v in res.metrics.items()}
+            return res.loss, units, metrics
 
         return out, reduce
 

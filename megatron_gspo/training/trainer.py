@@ -14,12 +14,7 @@ import torch.distributed as dist
 import yaml
 from megatron.core import parallel_state as ps
 
-from megatron_gspo.algorithms import (
-    combine_metrics,
-    group_advantages,
-    make_policy_loss,
-    rollout_correction,
-)
+from megatron_gspo.algorithms import combine_metrics, group_advantages, make_policy_loss
 from megatron_gspo.batching.batch import RolloutBatch, minibatch_group_order, pack_rollouts
 from megatron_gspo.batching.dp_balance import balance_data_parallel
 from megatron_gspo.batching.micro_batches import MicroBatcher
@@ -44,6 +39,7 @@ from megatron_gspo.metrics.log import MetricsLogger, reduce_step_metrics
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.training.config import RunConfig, dump_run_config
+from megatron_gspo.training.corrections import BatchCorrections
 from megatron_gspo.training.engine import (
     broadcast_from_last_stage,
     forward_backward,
@@ -102,6 +98,7 @@ class GSPOTrainer:
             max_tokens=t.max_tokens_per_micro_batch,
         )
         self.policy_loss = make_policy_loss(cfg.loss)
+        self.corrections = BatchCorrections(cfg)
         self.scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)
         self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
         self.step = 0
@@ -160,7 +157,8 @@ class GSPOTrainer:
         if saved.is_file():
             aux = self.cfg.model.model_config().router_aux_loss_coef
             for change in check_resume_config(saved.read_text(), self.cfg.to_dict(), path, state["step"],
-                                              router_aux_loss_coef=aux, reshardable=True):
+                                              router_aux_loss_coef=aux, reshardable=True,
+                                              defaults=RunConfig().to_dict()):
                 log.info("resume: %s", change)
         else:
             log.warning("%s has no %s (written by an older version): the config is not compared", path, RUN_CONFIG)
@@ -197,12 +195,13 @@ class GSPOTrainer:
         return self.rt.engine.generate(prompts, sampling)
 
     def score(self, items: list[PromptItem], rollouts) -> torch.Tensor:
-        """Rewards [n_prompts * G]; reward-function errors count as 0 and are logged."""
+        """Rewards [n_prompts * G]; reward-function errors count as 0 and are logged; DAPO's overlong penalty added
+        (loss.overlong_buffer)."""
         g = self.cfg.rollout.group_size
         responses = [self.rt.tokenizer.decode(r.response_ids) for r in rollouts]
         answers = [items[i // g].answer for i in range(len(rollouts))]
         metas = [{**items[i // g].meta, "finish_reason": r.finish_reason} for i, r in enumerate(rollouts)]
-        return self.scorer.score(responses, answers, metas)
+        return self.corrections.penalize(self.scorer.score(responses, answers, metas), rollouts)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages (Eq.6)."""
@@ -299,9 +298,11 @@ class GSPOTrainer:
         return drawn[start : start + needs[self.rt.dp.rank]]
 
     def old_logprobs(self, batch: RolloutBatch) -> dict:
-        """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4)."""
+        """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4); then the
+        corrections (training/corrections.py). Returns this replica's share of their metrics."""
         measure = self.moe.measure_drift(self.step + 1)  # the same test as in `update`
-        if self.cfg.rollout.old_logprobs == "engine":
+        engine = self.cfg.rollout.old_logprobs == "engine"
+        if engine:
             batch.old_logprobs_NS = batch.engine_logprobs_NS.clone()
             if self.routing.active:
                 with self.routing.old_policy_pass(batch.rollouts, batch, measure=measure):
@@ -310,23 +311,10 @@ class GSPOTrainer:
                     if self.routing.records_old_policy(measure):
                         sample = drift_sample(batch, self.cfg.trainer.minibatches, self.moe.drift_sample_sequences)
                         self.compute_logprobs(sample)
-            return {}
-        with self.routing.old_policy_pass(batch.rollouts, batch, measure=measure):
-            batch.old_logprobs_NS = self.compute_logprobs(batch)
-        weights, metrics = rollout_correction(
-            batch.old_logprobs_NS,
-            batch.engine_logprobs_NS,
-            batch.loss_mask_NS,
-            level=self.cfg.rollout.correction.level,
-            mode=self.cfg.rollout.correction.mode,
-            threshold=self.cfg.rollout.correction.threshold,
-        )
-        if self.cfg.rollout.correction.level == "sequence":
-            batch.advantages_N = batch.advantages_N * weights
-        elif self.cfg.rollout.correction.level == "token":
-            batch.extra["token_weights_NS"] = weights
-        # This replica's share; reduce_step_metrics combines the replicas' shares (and names them mismatch_*).
-        return {k: float(v) for k, v in metrics.items()}
+        else:
+            with self.routing.old_policy_pass(batch.rollouts, batch, measure=measure):
+                batch.old_logprobs_NS = self.compute_logprobs(batch)
+        return self.corrections.apply(batch, self.step, recomputed=not engine)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -365,7 +353,8 @@ class GSPOTrainer:
         loss_fn = self.policy_loss
         drift: dict = {}
         engine_mismatch: dict = {}
-        fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward, logprob_path=t.logprob_path)
+        fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward, logprob_path=t.logprob_path,
+                                  consumer_version=self.step)
         sample = None
         for k, (minibatch, micro) in enumerate(self.micro_batcher.minibatches(batch, t.minibatches)):
             seq_length, mbs = schedule_shape(micro)

@@ -60,10 +60,10 @@ def test_policy_loss_config_errors_name_the_key(kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, key",
     [
-        ({"level": "batch"}, "rollout_correction.level"),
-        ({"mode": "x"}, "rollout_correction.mode"),
-        ({"threshold": 0.9}, "rollout_correction.threshold"),
-        ({"threshold": True}, "rollout_correction.threshold"),
+        ({"level": "batch"}, "rollout.correction.level"),
+        ({"mode": "x"}, "rollout.correction.mode"),
+        ({"threshold": 0.9}, "rollout.correction.threshold"),
+        ({"threshold": True}, "rollout.correction.threshold"),
     ],
 )
 def test_rollout_correction_config_errors_name_the_key(kwargs, key):

@@ -232,6 +232,26 @@ def test_config_changes_compare_like_for_like():
     assert not resumable("trainer.seed") and not resumable("moe.routing_replay")
 
 
+def test_keys_added_since_the_checkpoint_read_as_their_defaults():
+    """A checkpoint written before a config key existed ran with its default: resuming it with the default is no
+    change, resuming it with another value is one (refused where the key may not change)."""
+    import yaml
+
+    from megatron_gspo.lifecycle.run_dir import check_resume_config
+    from megatron_gspo.training.config import RunConfig, load_run_config
+
+    current = load_run_config("examples/tiny_moe_gspo.yaml").to_dict()
+    older = yaml.safe_load(yaml.safe_dump(current))
+    del older["loss"]["mask_truncated"], older["rollout"]["correction"]["preset"]
+    ckpt, defaults = "iter_0000003", RunConfig().to_dict()
+    assert check_resume_config(yaml.safe_dump(older), current, ckpt, 3, defaults=defaults) == []
+    with pytest.raises(ValueError, match=r"loss\.mask_truncated: '<unset>' -> False"):  # without the defaults
+        check_resume_config(yaml.safe_dump(older), current, ckpt, 3)
+    masked = load_run_config("examples/tiny_moe_gspo.yaml", ["loss.mask_truncated=true"]).to_dict()
+    with pytest.raises(ValueError, match=r"loss\.mask_truncated: False -> True"):
+        check_resume_config(yaml.safe_dump(older), masked, ckpt, 3, defaults=defaults)
+
+
 def test_demo_refuses_a_previous_demo_without_overwrite(tmp_path):
     run = tmp_path / "demo"
     (run / "sft_model").mkdir(parents=True)

@@ -82,6 +82,10 @@ def test_mini_run_writes_metrics_summary_and_checkpoint(tmp_path):
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
         assert r["num_sequences"] == 8 * 4
+        # Synchronous RL: every sample has staleness 0, so no per-bucket metrics; the off-policy ones are there.
+        assert not [k for k in r if k.startswith("staleness_")]
+        for key in ("mismatch_frac_ratio_above_2", "mismatch_seq_weight_prod_mean", "truncated_frac", "samples"):
+            assert key in r, key
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for key in ("eval_accuracy_before", "eval_accuracy_after", "steps", "wall_seconds"):
         assert key in summary

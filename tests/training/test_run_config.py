@@ -105,6 +105,36 @@ def test_token_level_correction_is_refused_for_the_sequence_level_gspo_loss():
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        (["rollout.correction.preset=grpo_icepop"],
+         r"rollout\.correction\.preset=grpo_icepop \(level=token\) has no effect with loss\.algorithm=gspo"),
+        (["rollout.correction.preset=gspo_seq_tis", "rollout.old_logprobs=engine"],
+         r"rollout\.correction needs rollout\.old_logprobs=recompute"),
+        (["rollout.correction.geo_mask_high=1.01", "rollout.old_logprobs=engine"],
+         r"rollout\.correction needs rollout\.old_logprobs=recompute"),
+        (["loss.overlong_buffer=9", "rollout.max_new_tokens=8"], r"loss\.overlong_buffer=9 must be <= rollout"),
+        (["loss.overlong_buffer=-1"], r"loss\.overlong_buffer=-1 must be an integer >= 0"),
+        (["loss.overlong_penalty_factor=-1"], r"loss\.overlong_penalty_factor=-1.0 must be a number >= 0"),
+        (["rollout.correction.preset=nope"], r"rollout\.correction\.preset='nope' is unknown"),
+    ],
+)
+def test_correction_and_overlong_keys_are_checked_against_the_rest_of_the_config(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(EXAMPLE, overrides)
+
+
+def test_correction_presets_load_for_their_algorithms():
+    for algorithm, preset in (("gspo", "gspo_geo_band"), ("gspo", "gspo_decoupled"), ("grpo", "grpo_icepop"),
+                              ("gspo_token", "grpo_decoupled")):
+        cfg = load_run_config(EXAMPLE, [f"loss.algorithm={algorithm}", f"rollout.correction.preset={preset}",
+                                        "loss.mask_truncated=true", "loss.overlong_buffer=2"])
+        assert cfg.rollout.correction.resolved().active
+    # The engine's log-probs as pi_old with the default correction (monitoring only) stays allowed.
+    assert load_run_config(EXAMPLE, ["rollout.old_logprobs=engine", "rollout.correction.preset=monitor"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
         (["rollout.top_p=0.9"], r"vllm\.logprobs_mode=processed_logprobs and rollout\.top_p=0\.9 / rollout\.top_k=0"),
         (["rollout.top_k=20"], r"rollout\.top_p=1 / rollout\.top_k=20: vLLM's processed_logprobs are renormalised"),
         (["vllm.logprobs_mode=processed_logprobs", "rollout.top_p=0.5", "rollout.temperature=0.7"], r"top_p=0\.5"),

@@ -130,8 +130,8 @@ def data_parallel_step_metrics(run_dir: str) -> dict:
     the 4 minibatch steps to be skipped."""
     from unittest import mock
 
+    import megatron_gspo.algorithms.off_policy as correction_module
     import megatron_gspo.training.routing as routing_module
-    import megatron_gspo.training.trainer as trainer_module
     from megatron_gspo.training.config import load_run_config
     from megatron_gspo.training.trainer import GSPOTrainer
 
@@ -141,7 +141,7 @@ def data_parallel_step_metrics(run_dir: str) -> dict:
         "data.reward=tests.training.rewards:fails_on_odd_answers",
     ])
     local: dict = {"mismatch": [], "drift": [], "scores": [], "norms": []}
-    correction, route_change = trainer_module.rollout_correction, routing_module.store_route_change
+    correction, route_change = correction_module.rollout_correction, routing_module.store_route_change
 
     def local_correction(*args, **kwargs):
         weights, metrics = correction(*args, **kwargs)
@@ -152,7 +152,7 @@ def data_parallel_step_metrics(run_dir: str) -> dict:
         local["drift"].append(route_change(*args, **{**kwargs, "reduce_group": None}))
         return route_change(*args, **kwargs)
 
-    with mock.patch.object(trainer_module, "rollout_correction", local_correction), \
+    with mock.patch.object(correction_module, "rollout_correction", local_correction), \
             mock.patch.object(routing_module, "store_route_change", local_route_change):
         trainer = GSPOTrainer(cfg)
         score, step = trainer.score, trainer._optimizer_step
