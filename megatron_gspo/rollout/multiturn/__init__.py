@@ -3,7 +3,7 @@ mask over the model's tokens (driver.py), environments from gymnasium (environme
 (calculator.py), and the `multiturn.*` config (config.py)."""
 
 from megatron_gspo.rollout.multiturn.config import MultiTurnConfig
-from megatron_gspo.rollout.multiturn.driver import MultiTurnRollouts
+from megatron_gspo.rollout.multiturn.driver import MultiTurnRollouts, make_multiturn
 from megatron_gspo.rollout.multiturn.environment import EnvFailure, env_factory
 
-__all__ = ["EnvFailure", "MultiTurnConfig", "MultiTurnRollouts", "env_factory"]
+__all__ = ["EnvFailure", "MultiTurnConfig", "MultiTurnRollouts", "env_factory", "make_multiturn"]

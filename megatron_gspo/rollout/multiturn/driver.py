@@ -181,3 +181,12 @@ class MultiTurnRollouts:
     def rewards(self, rollouts: list[Rollout]) -> list[float]:
         """The environments' rewards of `rollouts` (0 for a failed sample)."""
         return [float(r.extra["env_reward"]) for r in rollouts]
+
+
+def make_multiturn(cfg: MultiTurnConfig, engine: RolloutEngine, tokenizer) -> MultiTurnRollouts | None:
+    """The multi-turn driver a run config asks for (`multiturn.env`), or None for single-turn rollouts."""
+    if not cfg.enabled:
+        return None
+    from megatron_gspo.rollout.multiturn.environment import env_factory
+
+    return MultiTurnRollouts(engine, tokenizer, env_factory(cfg.env), cfg)
