@@ -176,6 +176,10 @@ class MultiTurnRollouts:
             "multiturn_env_errors": float(sum("env_error" in r.extra for r in out)),
             "multiturn_truncated": float(sum(r.finish_reason == "length" for r in out)),
         }
+        m = self.last_metrics
+        log.info("multi-turn: %d trajectories, %.2f model turns on average, tool-call rate %.3f, %d environment "
+                 "failures, %d truncated", len(out), m["multiturn_turns_mean"], m["multiturn_tool_call_rate"],
+                 m["multiturn_env_errors"], m["multiturn_truncated"])
         return out
 
     def rewards(self, rollouts: list[Rollout]) -> list[float]:
