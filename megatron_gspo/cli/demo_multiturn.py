@@ -1,4 +1,5 @@
-"""`megatron-gspo demo --multi-turn`: GSPO teaches a tiny MoE to use a calculator tool (examples/tiny_moe_calculator.yaml).
+"""`megatron-gspo demo --multi-turn`: GSPO teaches a tiny MoE to use a calculator tool
+(examples/tiny_moe_calculator.yaml).
 
 Cold start: SFT on transcripts of the config's task in which a share (`--tool-share`) of the prompts is solved with
 the tool (`12*34=` -> `12*34?408=408`) and the rest answered directly (`408`), so the model knows both ways and

@@ -118,8 +118,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-DEMO_OUTPUTS = ("sft_model", "sft_data", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "tensorboard", "plots",
-                "config.yaml")
+DEMO_OUTPUTS = ("sft_model", "sft_data", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "tensorboard",
+                "plots", "config.yaml")
 """What a demo writes into its run directory (and `demo --overwrite` removes before it starts again)."""
 
 

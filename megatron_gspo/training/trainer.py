@@ -429,8 +429,8 @@ class GSPOTrainer:
     def evaluate(self) -> dict:
         """Held-out avg@n / pass@k with the current weights."""
         self.watchdog.mark("evaluate")
-        return evaluate(self.rt, seed=self.cfg.trainer.seed + 1_000_003 * (self.step + 1), scorer=self.scorer.sharing(),
-                        multiturn=self.multiturn)
+        seed = self.cfg.trainer.seed + 1_000_003 * (self.step + 1)
+        return evaluate(self.rt, seed=seed, scorer=self.scorer.sharing(), multiturn=self.multiturn)
 
     def checkpoint(self, *, background: bool = False) -> Path:
         """Writes checkpoint iter_<step> (atomic; checkpoint/manager.py) and returns its path. `background` (with

@@ -1,5 +1,5 @@
-"""Multi-turn trajectories in the training layout: only the model's tokens are labels of the loss (`Rollout.loss_mask`),
-so the environment's tokens get zero gradient and never count in a token mean or in GSPO's length |y_i| (Eq. 7).
+"""Multi-turn trajectories in the training layout: only the model's tokens are labels of the loss
+(`Rollout.loss_mask`), so the environment's tokens get zero gradient and never count in a token mean or in GSPO's length |y_i| (Eq. 7).
 
 Expected gradients are the paper's, by hand: at pi_theta = pi_old (s_i = 1, unclipped) GSPO's Eq. 10 gives each model
 token -(1/N) A_i / |y_i| in d(loss)/d(log pi), GRPO's Eq. 11 the same (w = 1, token mean over |y_i|).

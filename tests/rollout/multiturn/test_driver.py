@@ -81,12 +81,11 @@ def _as_data(rollouts):
 
 
 def _engine_rank():
+    from megatron_gspo.models.build import build_model
+    from megatron_gspo.models.hf_state import load_hf_state_dict
     from megatron_gspo.parallel import ParallelConfig, initialize, shutdown
     from megatron_gspo.rollout.local import LocalEngine
     from tests.models.parity import hf_state_dict, tiny_config
-
-    from megatron_gspo.models.build import build_model
-    from megatron_gspo.models.hf_state import load_hf_state_dict
 
     cfg = tiny_config(vocab_size=len(ALPHABET) + 2)  # the character tokenizer's ids, no more
     initialize(ParallelConfig(), seed=5)
@@ -204,7 +203,8 @@ def test_limits_on_turns_and_tokens(result):
     for r in result["tight"]:
         assert len(r["response_ids"]) <= 9 and r["loss_mask"][-1] == 1
     # Echo's episode needs 3 turns: a trajectory cut earlier by a limit is truncated ('length').
-    assert any(r["finish_reason"] == "length" and r["extra"]["turns"] < 3 for r in result["tight"] + result["one_turn"])
+    cut = result["tight"] + result["one_turn"]
+    assert any(r["finish_reason"] == "length" and r["extra"]["turns"] < 3 for r in cut)
     for r in result["rollouts"]:
         assert len(r["response_ids"]) <= 24 and r["extra"]["turns"] <= 3
 

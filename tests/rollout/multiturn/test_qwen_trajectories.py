@@ -103,6 +103,7 @@ def test_qwen_vocabulary_trajectories_are_token_in_token_out(result):
                 prefix += obs_ids
                 pos += len(obs_ids)
         assert pos == len(response)
+        assert [lp for lp, on in zip(logprobs, mask) if on] == pytest.approx(engine_lps)
         m = torch.tensor(mask, dtype=torch.bool)
         torch.testing.assert_close(result["forced"][k][m], torch.tensor(engine_lps, dtype=torch.float64),
                                    atol=2e-4, rtol=0)
