@@ -12,7 +12,8 @@ tokenizer's stop ids (e.g. the calculator's '?' after a call).
 
 Every call runs in its own daemon thread under `multiturn.env_timeout_s`: an environment that raises, hangs or
 returns garbage fails that one sample (`EnvFailure`), never the run, and a hung call's thread is left behind
-without holding up the process's exit.
+without holding up the process's exit (Python cannot stop a thread: an environment that hangs on every call leaves
+one sleeping thread per call; run such environments out of process).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,18 +45,12 @@ def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[Any]:
                enumerate(calls)]
     for t in threads:
         t.start()
-    deadline = _now() + timeout_s
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(max(0.0, deadline - _now()))
+        t.join(max(0.0, deadline - time.monotonic()))
     # A call finishing after the deadline must not overwrite its recorded failure: read the results now.
     return [results[i] if not t.is_alive() else EnvFailure(f"no answer within multiturn.env_timeout_s="
                                                               f"{timeout_s:g} s") for i, t in enumerate(threads)]
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def checked_step(result: Any) -> tuple[str, float, bool]:
