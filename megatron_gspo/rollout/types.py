@@ -68,11 +68,19 @@ class Rollout:
     """Policy version that produced the sample."""
     extra: dict = field(default_factory=dict)
     """Engine-specific details (e.g. server URL)."""
+    loss_mask: list[int] | None = None
+    """Multi-turn trajectories (rollout/multiturn/): 1 for each response token the model sampled, 0 for the
+    environment's / tool's tokens between its turns (never trained on; their `logprobs` are 0 and unused).
+    None: every response token is the model's."""
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(
                 f"rollout has {len(self.response_ids)} response tokens but {len(self.logprobs)} log-probs"
+            )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
+            raise ValueError(
+                f"rollout has {len(self.response_ids)} response tokens but a loss mask of {len(self.loss_mask)}"
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason={self.finish_reason!r} must be one of {FINISH_REASONS}")

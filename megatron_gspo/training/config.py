@@ -25,6 +25,7 @@ from megatron_gspo.models.config import PRESETS, ModelConfig, preset
 from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.rollout.multiturn.config import MultiTurnConfig
 from megatron_gspo.rollout.vllm.config import VLLMConfig, engine_logprobs_problem
 from megatron_gspo.training.optim_config import OptimConfig
 
@@ -242,6 +243,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     moe: dict = field(default_factory=dict)
     """MoE options (routing replay, drift measurement); validated by megatron_gspo.moe when used."""
     sglang: dict = field(default_factory=dict)
@@ -281,6 +283,13 @@ class RunConfig:
                 f"{t.micro_batch_size} (or at most it), or set trainer.max_tokens_per_micro_batch"
             )
         r = self.rollout
+        if self.multiturn.enabled and self.multiturn.max_total_tokens > r.max_new_tokens:
+            # A trajectory's tokens, the model's and the environment's, are trained in one sequence of
+            # prompt + rollout.max_new_tokens.
+            raise ValueError(
+                f"multiturn.max_total_tokens={self.multiturn.max_total_tokens} exceeds rollout.max_new_tokens="
+                f"{r.max_new_tokens}, the response room of a training sequence; raise rollout.max_new_tokens"
+            )
         if r.engine == "vllm" and r.old_logprobs == "engine":
             mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
             problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)

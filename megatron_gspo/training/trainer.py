@@ -38,6 +38,7 @@ from megatron_gspo.lifecycle.watchdog import PhaseWatchdog
 from megatron_gspo.metrics.log import MetricsLogger, reduce_step_metrics
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
+from megatron_gspo.rollout.multiturn import make_multiturn
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.corrections import BatchCorrections
 from megatron_gspo.training.engine import (
@@ -100,6 +101,7 @@ class GSPOTrainer:
         self.policy_loss = make_policy_loss(cfg.loss)
         self.corrections = BatchCorrections(cfg)
         self.scorer = RewardScorer(cfg.data.reward, scoring=cfg.scoring)
+        self.multiturn = make_multiturn(cfg.multiturn, self.rt.engine, self.rt.tokenizer)  # None: single-turn
         self.sampler = PromptSampler(self.rt.train_data, t.prompts_per_step, seed=cfg.data.seed)
         self.step = 0
         # Synchronous RL: the rollout buffer with no look-ahead (training/rollout_buffer.py).
@@ -192,11 +194,15 @@ class GSPOTrainer:
         """G rollouts per prompt from the rollout engine (this rank's prompts)."""
         prompts = [self.rt.encode_prompt(it.prompt) for it in items]
         sampling = self.rt.sampling(self.cfg.rollout.group_size, self.cfg.rollout.temperature, seed)
+        if self.multiturn is not None:  # trajectories: model turn -> environment -> model turn ...
+            return self.multiturn.generate(items, prompts, sampling)
         return self.rt.engine.generate(prompts, sampling)
 
     def score(self, items: list[PromptItem], rollouts) -> torch.Tensor:
         """Rewards [n_prompts * G]; reward-function errors count as 0 and are logged; DAPO's overlong penalty added
         (loss.overlong_buffer)."""
+        if self.multiturn is not None:  # the environments' rewards
+            return self.corrections.penalize(torch.tensor(self.multiturn.rewards(rollouts)), rollouts)
         g = self.cfg.rollout.group_size
         responses = [self.rt.tokenizer.decode(r.response_ids) for r in rollouts]
         answers = [items[i // g].answer for i in range(len(rollouts))]
@@ -412,9 +418,8 @@ class GSPOTrainer:
     def evaluate(self) -> dict:
         """Held-out avg@n / pass@k with the current weights."""
         self.watchdog.mark("evaluate")
-        return evaluate(
-            self.rt, seed=self.cfg.trainer.seed + 1_000_003 * (self.step + 1), scorer=self.scorer.sharing()
-        )
+        seed = self.cfg.trainer.seed + 1_000_003 * (self.step + 1)
+        return evaluate(self.rt, seed=seed, scorer=self.scorer.sharing(), multiturn=self.multiturn)
 
     def checkpoint(self, *, background: bool = False) -> Path:
         """Writes checkpoint iter_<step> (atomic; checkpoint/manager.py) and returns its path. `background` (with

@@ -243,6 +243,23 @@ def test_cpu_routes_equal_the_trainers_and_feed_r3(server, tmp_path):
     assert row["routes_memory_bytes"] > 0 and row["skipped_steps"] == 0, row  # the replayed routes were used
 
 
+def test_multi_turn_trajectories_through_the_server(server, tmp_path):
+    """Multi-turn GSPO (rollout/multiturn/) with vLLM as the engine: each turn is sent to the server as the token
+    ids of everything before it, and the server's log-probs of the model's tokens equal the trainer's over the
+    whole trajectories (the ids vLLM sampled from are the ids trained on; the environment's tokens are masked)."""
+    url = server.server_urls[0]
+    multi = ["vllm.mode=attach", f"vllm.urls=[{url}]", "trainer.steps=1", "rollout.max_new_tokens=12",
+             "multiturn.env=tests.rollout.multiturn.envs:DigitsEnv", "multiturn.max_turns=3",
+             "multiturn.max_total_tokens=12"]
+    res = _train(tmp_path / "multi", multi)
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = _rows(tmp_path / "multi")[1]
+    turns = [float(line.split(" model turns")[0].rsplit(", ", 1)[1]) for line in res.stderr.splitlines()
+             if "multi-turn:" in line and "model turns" in line]
+    assert turns and turns[0] > 1.2, res.stderr[-3000:]  # the training batch's trajectories have several turns
+    assert abs(row["mismatch_seq_ratio_mean"] - 1) < 1e-4 and abs(row["mismatch_approx_kl"]) < 1e-6, row
+
+
 def _train(run_dir: Path, extra: list[str], *, resume: bool = False, popen: bool = False):
     cmd = [sys.executable, "-m", "megatron_gspo.cli.main", "train", "--config", "examples/tiny_moe_gspo.yaml", *MINI,
            *SERVER, f"trainer.run_dir={run_dir}", "rollout.engine=vllm", "rollout.old_logprobs=engine",

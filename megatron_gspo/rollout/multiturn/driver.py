@@ -1,0 +1,196 @@
+"""Multi-turn rollouts: model turn -> environment / tool -> model turn ..., token ids end to end.
+
+Each trajectory is one `Rollout`: `response_ids` are the model's and the environment's tokens in order, as the
+model saw them; `loss_mask` marks the model's (1) apart from the environment's (0), so the loss, its token
+counts and GSPO's length normalisation (Eq. 7: |y_i| = the model's tokens of the whole trajectory) see the model's
+tokens only. A later turn is generated from the ids of everything before it, never from re-rendered text: the
+only text ever tokenised is an environment's new observation, once, when it is appended.
+
+Per trajectory: at most `multiturn.max_turns` model turns and `multiturn.max_total_tokens` response tokens (each
+turn's generation is capped by what is left); a trajectory cut by either ends with finish_reason 'length' and the
+reward its environment gave so far. An environment that raises, hangs or returns garbage fails its sample: reward
+0, no token of it trained on (loss mask all 0), `extra['env_error']` says why, one warning line in the log.
+
+Routed experts (R3): the last turn's generation is a prefill of the whole trajectory so far plus that turn, so its
+record covers every input position of the trajectory, recorded under one weight version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_gspo.rollout.multiturn.config import MultiTurnConfig
+from megatron_gspo.rollout.multiturn.environment import EnvFailure, call_all, checked_reset, checked_step
+from megatron_gspo.rollout.types import Rollout, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Trajectory:
+    prompt: list[int]
+    group: int
+    env: Any
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    reward: float = 0.0
+    finish: str = "stop"
+    done: bool = False
+    error: str | None = None
+    routed: Any = None
+    versions: list[int] = field(default_factory=list)
+    turn_start: int = 0
+
+    def fail(self, what: str, err: Exception) -> None:
+        self.error, self.done = f"{what}: {err}", True
+
+
+class MultiTurnRollouts:
+    """Generates trajectories with `engine` (any RolloutEngine: token ids in, token ids out) against fresh
+    environments from `make_env` (rollout/multiturn/environment.py)."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, make_env: Callable[[], Any], cfg: MultiTurnConfig):
+        self.engine, self.tokenizer, self.make_env, self.cfg = engine, tokenizer, make_env, cfg
+        probe = make_env()
+        extra = []
+        for text in probe.metadata.get("stop_texts", ()):
+            ids = tokenizer.encode(text)
+            if len(ids) != 1:
+                raise ValueError(f"multiturn.env={cfg.env!r}: stop text {text!r} is {len(ids)} tokens for the "
+                                 "tokenizer; a turn's stop text must be one token (add it to data.tokenizer)")
+            extra += ids
+        self.stop_ids = tuple(dict.fromkeys([*tokenizer.stop_ids, *extra]))
+        self.last_metrics: dict[str, float] = {}
+
+    def generate(self, items: list, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        """`sampling.n` trajectories per prompt (grouped contiguously, as engine.generate), `items[i]` the
+        PromptItem of `prompts[i]` (its prompt, answer and meta go to the environment's reset)."""
+        n = sampling.n
+        trajs = [_Trajectory(list(prompts[i // n]), i // n, self.make_env()) for i in range(len(prompts) * n)]
+        self._reset(trajs, items, sampling.seed)
+        budget = self.cfg.max_total_tokens
+        for turn in range(self.cfg.max_turns):
+            live = [t for t in trajs if not t.done]
+            if turn == 0:  # the first turn of every group in one call, n samples per prompt
+                first = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget),
+                                            stop_token_ids=self.stop_ids)
+                for t, out in zip(trajs, self.engine.generate(prompts, first)):
+                    self._append_turn(t, out)
+            else:
+                if not live:
+                    break
+                self._next_turns(live, sampling, turn)
+            self._step([t for t in live if not t.done], last_turn=turn + 1 == self.cfg.max_turns)
+        return self._rollouts(trajs)
+
+    # ---- phases of a turn -------------------------------------------------------------------------------------
+    def _reset(self, trajs: list[_Trajectory], items: list, seed: int | None) -> None:
+        def reset(t: _Trajectory, k: int):
+            item = items[t.group]
+            options = {"prompt": item.prompt, "answer": item.answer, "meta": dict(item.meta)}
+            return t.env.reset(seed=None if seed is None else seed + k, options=options)
+
+        for t, res in zip(trajs, call_all([lambda t=t, k=k: reset(t, k) for k, t in enumerate(trajs)],
+                                          self.cfg.env_timeout_s)):
+            try:
+                checked_reset(res)
+            except EnvFailure as err:
+                t.fail("reset", err)
+
+    def _next_turns(self, live: list[_Trajectory], sampling: SamplingParams, turn: int) -> None:
+        """One generate call per distinct token cap (what is left of each trajectory's budget)."""
+        by_cap: dict[int, list[_Trajectory]] = {}
+        for t in live:
+            cap = min(sampling.max_new_tokens, self.cfg.max_total_tokens - len(t.ids))
+            by_cap.setdefault(cap, []).append(t)
+        for cap, group in by_cap.items():
+            seed = None if sampling.seed is None else sampling.seed + 7919 * turn + cap
+            params = dataclasses.replace(sampling, n=1, max_new_tokens=cap, stop_token_ids=self.stop_ids, seed=seed)
+            outs = self.engine.generate([t.prompt + t.ids for t in group], params)
+            for t, out in zip(group, outs):
+                self._append_turn(t, out)
+
+    def _append_turn(self, t: _Trajectory, out: Rollout) -> None:
+        t.turn_start = len(t.ids)
+        t.ids += out.response_ids
+        t.logprobs += list(out.logprobs)
+        t.mask += [1] * len(out.response_ids)
+        t.turns += 1
+        t.finish, t.routed = out.finish_reason, out.routed_experts
+        t.versions.append(out.weight_version)
+
+    def _step(self, trajs: list[_Trajectory], last_turn: bool) -> None:
+        """The model's last turn of each trajectory to its environment; its observation appended, unless the episode
+        ends there or no model turn may follow it (then the trajectory is truncated: finish_reason 'length')."""
+        turns = []
+        for t in trajs:
+            try:
+                turns.append(self.tokenizer.decode(t.ids[t.turn_start :]))
+            except ValueError as err:  # e.g. an id of the model's padded vocabulary that no token has
+                t.fail("not called", EnvFailure(f"the model's turn does not decode ({err})"))
+        trajs = [t for t in trajs if t.error is None]
+        results = call_all([lambda t=t, a=a: t.env.step(a) for t, a in zip(trajs, turns)], self.cfg.env_timeout_s)
+        for t, res in zip(trajs, results):
+            try:
+                obs, reward, done = checked_step(res)
+            except EnvFailure as err:
+                t.fail("step", err)
+                continue
+            t.reward += reward
+            if done:
+                t.done = True
+                continue
+            t.tool_calls += 1
+            obs_ids = self.tokenizer.encode(obs)
+            if last_turn or len(t.ids) + len(obs_ids) >= self.cfg.max_total_tokens:  # no model turn can follow
+                t.done, t.finish = True, "length"
+                continue
+            t.ids += obs_ids
+            t.logprobs += [0.0] * len(obs_ids)
+            t.mask += [0] * len(obs_ids)
+
+    def _rollouts(self, trajs: list[_Trajectory]) -> list[Rollout]:
+        out = []
+        for k, t in enumerate(trajs):
+            if t.error is not None:
+                log.warning("multi-turn sample %d (prompt %d): environment %s; reward 0, not trained on",
+                            k, t.group, t.error)
+            mask = t.mask if t.error is None else [0] * len(t.mask)
+            extra = {"turns": t.turns, "tool_calls": t.tool_calls, "env_reward": 0.0 if t.error else t.reward}
+            if t.error is not None:
+                extra["env_error"] = t.error
+            out.append(Rollout(prompt_ids=t.prompt, response_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
+                               prompt_index=t.group, routed_experts=t.routed, weight_version=min(t.versions),
+                               extra=extra, loss_mask=mask))
+        n = max(1, len(out))
+        self.last_metrics = {
+            "multiturn_turns_mean": sum(r.extra["turns"] for r in out) / n,
+            "multiturn_tool_call_rate": sum(r.extra["tool_calls"] > 0 for r in out) / n,
+            "multiturn_env_errors": float(sum("env_error" in r.extra for r in out)),
+            "multiturn_truncated": float(sum(r.finish_reason == "length" for r in out)),
+        }
+        m = self.last_metrics
+        log.info("multi-turn: %d trajectories, %.2f model turns on average, tool-call rate %.3f, %d environment "
+                 "failures, %d truncated", len(out), m["multiturn_turns_mean"], m["multiturn_tool_call_rate"],
+                 m["multiturn_env_errors"], m["multiturn_truncated"])
+        return out
+
+    def rewards(self, rollouts: list[Rollout]) -> list[float]:
+        """The environments' rewards of `rollouts` (0 for a failed sample)."""
+        return [float(r.extra["env_reward"]) for r in rollouts]
+
+
+def make_multiturn(cfg: MultiTurnConfig, engine: RolloutEngine, tokenizer) -> MultiTurnRollouts | None:
+    """The multi-turn driver a run config asks for (`multiturn.env`), or None for single-turn rollouts."""
+    if not cfg.enabled:
+        return None
+    from megatron_gspo.rollout.multiturn.environment import env_factory
+
+    return MultiTurnRollouts(engine, tokenizer, env_factory(cfg.env), cfg)
