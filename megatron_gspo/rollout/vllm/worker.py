@@ -22,10 +22,16 @@ input batch's order with the scheduler's token counts (how the V1 runner flatten
 
 Rows are stored by absolute token position, from the scheduler's `num_computed_tokens` of each scheduled request
 (`scheduled_new_reqs[i].num_computed_tokens`, `scheduled_cached_reqs.num_computed_tokens[i]`: where this step's
-tokens start). A request preempted for KV blocks (or by `/reset_prefix_cache?reset_running_requests=true`) is reset
-to 0 computed tokens by the scheduler (`Scheduler._preempt_request`) and forwarded again from token 0 when it
-resumes: its rows from there on replace the earlier ones. Appending per step instead gave the recomputed prefix
-twice and routes shifted against the tokens (11 of 12 samples wrong under KV pressure).
+tokens start). A request preempted for KV blocks (or by `/reset_prefix_cache?reset_running_requests=true`, which
+the engine's partial rollouts use after a weight update) is reset to 0 computed tokens by the scheduler
+(`Scheduler._preempt_request`) and forwarded again from token 0 when it resumes. The recomputed positions keep
+their first rows: the first forward of position p is the one whose logits sampled token p + 1 (and whose log-prob
+the response reports); the recompute only rebuilds KV, under the new weights after an update, and taking its rows
+would pair the old version's tokens with the new version's routes (the versioned-R3 bug). Positions past the
+recorded ones are appended. Appending every step's rows instead gave the recomputed prefix twice and routes
+shifted against the tokens (11 of 12 samples wrong under KV pressure). This holds because the CPU platform runs
+the synchronous scheduler (vLLM 0.32 platforms/cpu.py sets `async_scheduling = False`): a preemption never drops
+a token already forwarded, so a position's first forward always had the token it finally holds.
 """
 
 from __future__ import annotations
@@ -176,9 +182,12 @@ class RoutingCaptureExtension:
         return str(len(self._gspo_gates))
 
     def _gspo_store(self, rid: str, start: int, rows: np.ndarray) -> None:
-        """Rows of positions [start, start + n); everything recorded past `start` is stale (a recompute)."""
+        """Rows of positions [start, start + n); positions recorded before keep their first rows (a recompute
+        after a preemption, module docstring)."""
         buf, length = self._gspo_routes.get(rid, (None, 0))
         end = start + len(rows)
+        if end <= length:
+            return
         if buf is None or end > len(buf):
             capacity = max(end, 2 * (0 if buf is None else len(buf)), 64)
             grown = np.full((capacity, *rows.shape[1:]), -1, np.int16)
@@ -187,7 +196,8 @@ class RoutingCaptureExtension:
             buf = grown
         if start > length:
             buf[length:start] = -1  # never forwarded (e.g. a prefix-cache hit): the pop reports them
-        buf[start:end] = rows
+        fresh = max(start, length)
+        buf[fresh:end] = rows[fresh - start :]
         self._gspo_routes[rid] = (buf, end)
 
     def gspo_pop_routes(self, request: str) -> dict:

@@ -75,15 +75,20 @@ def test_decode_recorded_response():
     assert r.finish_reason == "stop" and r.weight_version == 4 and r.prompt_index == 2
     straddling = {**RECORDED, "choices": [{**RECORDED["choices"][0], "weight_versions": [
         {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]}]}  # fmt: skip
-    assert (
-        decode_generate_response(straddling, url=URL, prompt_ids=[1]).weight_version == 3
-    )  # as old as its oldest
+    mixed = decode_generate_response(straddling, url=URL, prompt_ids=[1])
+    assert mixed.weight_version == 3 and mixed.token_versions == [3, 4, 4]  # as old as its oldest token
+    assert mixed.route_versions == [3, 4, 4]  # rows: prompt token 1 (sampled token 0), tokens 0 and 1
+    assert r.token_versions is None and r.versions == [4, 4, 4]  # one version: nothing to spell out
+    assert decode_generate_response(straddling, url=URL, prompt_ids=[1, 2, 3]).route_versions == [3, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         (lambda c: c.pop("weight_versions"), "lacks choices\\[0\\].weight_versions"),
+        (lambda c: c["weight_versions"][0].update(end=2), "covers 2 of 3 tokens"),
+        (lambda c: c["weight_versions"].append({"version": "5", "start": 2, "end": 3}), "gap or overlap at token 3"),
+        (lambda c: c["weight_versions"][0].pop("start"), "is not a list of"),
         (lambda c: c.update(finish_reason="eos"), "finish_reason='eos'"),
         (lambda c: c["logprobs"]["content"].pop(), "has 2 entries for 3 tokens"),
         (lambda c: c["logprobs"]["content"][1].update(token_id=8), "is for token 8, not the sampled 9"),
