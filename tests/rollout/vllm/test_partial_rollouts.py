@@ -105,10 +105,10 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _generate_across_an_update(engine, dirs, *, min_tokens: int = 24):
-    """`generate` in a producer thread; `update_weights(version=1)` from this thread once every sample is running
-    and at least `min_tokens` tokens each were sampled. Returns the rollouts and the server's token count at the
-    update."""
+def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = 24):
+    """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`) from this
+    thread once every sample is running and at least `min_tokens` tokens each were sampled. Returns the rollouts
+    and the server's token count at the update."""
     from megatron_gspo.rollout.types import SamplingParams
 
     url = engine.server_urls[0]
@@ -133,9 +133,9 @@ def _generate_across_an_update(engine, dirs, *, min_tokens: int = 24):
         if m.get("vllm:num_requests_running", 0) == SAMPLES and sampled >= SAMPLES * min_tokens:
             break
         assert producer.is_alive() and time.monotonic() < deadline, f"no generation to update under: {m}"
-        time.sleep(0.005)
+        time.sleep(0.02)
     assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
-    engine._exporter = lambda chunks: _checkpoint_tensors(dirs[1])
+    engine._exporter = lambda chunks: _checkpoint_tensors(weights)
     engine.update_weights([], version=engine.weight_version + 1)
     producer.join(timeout=300)
     assert not producer.is_alive()
@@ -174,7 +174,7 @@ def test_generation_spanning_a_weight_update_is_continued_token_by_token(server,
     config, dirs = models
     assert server.supports_partial_rollouts
     start = server.weight_version
-    rollouts, sampled_at_update = _generate_across_an_update(server, dirs)
+    rollouts, sampled_at_update = _generate_across_an_update(server, dirs[1])
     print(f"\ntokens sampled before the update: {sampled_at_update:.0f} of {SAMPLES * MAX_NEW_TOKENS}")
     assert server.weight_versions() == [start + 1]
     k = config.num_experts_per_tok
@@ -204,3 +204,33 @@ def test_generation_spanning_a_weight_update_is_continued_token_by_token(server,
         assert unversioned and max(unversioned) < len(r.prompt_ids) - 1 + switch, (i, unversioned[:5])
         print(f"sample {i}: switch at token {switch}, max |log-prob diff| {diff.max():.2e}, "
               f"unversioned pairing wrong on {len(unversioned)} of {len(r.prompt_ids) - 1 + switch} prefix rows")
+
+
+def test_without_partial_rollouts_samples_in_flight_start_again_under_the_new_weights(server, models):
+    """vllm.partial_rollouts=false: the sync pauses with mode=abort; the aborted samples are sampled again from
+    scratch, so every sample has one version, the new one (after the first test, the server is at version 1;
+    version 2 is version 0's weights again)."""
+    from megatron_gspo.rollout.vllm.config import VLLMConfig
+    from megatron_gspo.rollout.vllm.engine import VLLMEngine
+
+    config, dirs = models
+    cfg = server.config
+    engine = VLLMEngine(
+        VLLMConfig(mode="attach", urls=server.server_urls, partial_rollouts=False, capture_routes=True,
+                   num_experts=cfg.num_experts, num_moe_layers=cfg.num_moe_layers, moe_topk=cfg.moe_topk,
+                   backoff_s=0.05),  # fmt: skip
+        initial_version=server.weight_version,
+    )
+    try:
+        assert not engine.supports_partial_rollouts
+        new = engine.weight_version + 1
+        rollouts, _ = _generate_across_an_update(engine, dirs[0])
+    finally:
+        engine.close()
+    assert max(r.extra["attempts"] for r in rollouts) > 1  # some samples were aborted by the sync
+    k = config.num_experts_per_tok
+    for i, r in enumerate(rollouts):
+        assert r.token_versions is None and r.weight_version == new and len(r.response_ids) == MAX_NEW_TOKENS
+        logprobs, experts = _reference(dirs[0], r, k)
+        assert (torch.tensor(r.logprobs) - logprobs).abs().max() < 1e-4, i
+        assert _pairing_errors(r, r.route_versions, {new: experts}) == [], i
