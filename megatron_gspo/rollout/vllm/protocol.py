@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_gspo.rollout.server.errors import ServerResponseError
+from megatron_gspo.rollout.server.weight_versions import expand_version_spans
 from megatron_gspo.rollout.types import Rollout, RoutingSpec, SamplingParams, compact_expert_dtype
 
 KIND = "vLLM"
@@ -71,22 +72,13 @@ def parse_weight_version(value: Any, url: str) -> int:
 def decode_weight_versions(spans: Any, url: str, num_tokens: int) -> list[int]:
     """The weight version of each of the choice's `num_tokens` response tokens, from vLLM's spans (the engine
     core labels every step's output with the version it ran under, v1/engine/core.py `_attach_weight_version`;
-    the output processor opens a span where the label changes). The spans must tile [0, num_tokens)."""
+    the output processor opens a span where the label changes)."""
     if spans is None:
         raise _error(url, "response lacks choices[0].weight_versions (a vLLM older than 0.32?)")
-    if not isinstance(spans, list) or not all(
-        isinstance(s, dict) and "version" in s and type(s.get("start")) is int and type(s.get("end")) is int
-        for s in spans
-    ):
-        raise _error(url, f"choices[0].weight_versions={spans!r} is not a list of {{version, start, end}}")
-    versions: list[int] = []
-    for span in spans:
-        if span["start"] != len(versions) or span["end"] < span["start"]:
-            raise _error(url, f"choices[0].weight_versions={spans!r} leaves a gap or overlap at token {len(versions)}")
-        versions += [parse_weight_version(span["version"], url)] * (span["end"] - span["start"])
-    if len(versions) != num_tokens:
-        raise _error(url, f"choices[0].weight_versions={spans!r} covers {len(versions)} of {num_tokens} tokens")
-    return versions
+    try:
+        return expand_version_spans(spans, num_tokens, lambda v: parse_weight_version(v, url))
+    except ValueError as e:
+        raise _error(url, f"choices[0].weight_versions{e}") from None
 
 
 def decode_routed_experts(

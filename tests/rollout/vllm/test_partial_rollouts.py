@@ -156,7 +156,9 @@ def _reference(directory: Path, rollout, k: int):
     logprobs_T = out.logits[0, :-1].log_softmax(-1).gather(-1, seq[0, 1:, None])[:, 0]
     response_lp = logprobs_T[len(rollout.prompt_ids) - 1 :]
     rows = seq.shape[1] - 1
-    experts_TLK = torch.stack([x.reshape(seq.shape[1], -1)[:rows].topk(k, dim=-1).indices for x in out.router_logits], 1)
+    experts_TLK = torch.stack(
+        [x.reshape(seq.shape[1], -1)[:rows].topk(k, dim=-1).indices for x in out.router_logits], 1
+    )
     return response_lp, experts_TLK.sort(-1).values
 
 
