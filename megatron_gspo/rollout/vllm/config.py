@@ -88,11 +88,6 @@ class VLLMConfig(ServerConfig):
     cpu_threads: int = 0
     """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
 
-    partial_rollouts: bool = True
-    """A weight sync during generation continues the samples in flight under the new weights (each token tagged
-    with the version that sampled it; vllm/engine.py); false: they are aborted and sampled again from scratch.
-    Needs capture_routes (or no routes) for R3: vLLM's own return_routed_experts keeps only the routes of a
-    sample's last prefill, so with it the engine aborts instead."""
     capture_routes: bool = False
     """R3 on CPU servers (which return no routes): record them with megatron-gspo's hooks on the MoE gates
     (rollout/vllm/worker.py RoutingCaptureExtension; prefix caching off). GPU servers: return_routed_experts."""

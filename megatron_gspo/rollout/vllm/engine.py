@@ -100,9 +100,12 @@ class VLLMEngine(ServerEngine):
     def supports_partial_rollouts(self) -> bool:  # type: ignore[override]
         """Whether a sync continues samples in flight (module docstring). Not for a replica of several ranks: its
         `generate` broadcasts over the model-parallel group, which the sync's exporter uses from another thread."""
-        cfg = self.config
         alone = self.replica is None or self.replica.size == 1
-        return cfg.partial_rollouts and not cfg.return_routed_experts and alone
+        return self._continues_in_flight() and alone
+
+    def _continues_in_flight(self) -> bool:
+        """Whether a sync pauses with mode=keep (samples continue) rather than mode=abort."""
+        return self.config.partial_rollouts and not self.config.return_routed_experts
 
     def server_command(self, index: int) -> list[str]:
         return server_command(self.config, index)
@@ -237,7 +240,7 @@ class VLLMEngine(ServerEngine):
             target = self.weight_root() / f"weights-v{version}"
             write_checkpoint_dir(buckets, target)
             self._version_dir = target
-        keep = cfg.partial_rollouts and not cfg.return_routed_experts
+        keep = self._continues_in_flight()
         await self._call_all("/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=abort&clear_cache=true")
         await self._call_all("/start_weight_update", **wait)
         if cfg.weight_transport == "nccl":
