@@ -236,3 +236,36 @@ def test_without_partial_rollouts_samples_in_flight_start_again_under_the_new_we
         logprobs, experts = _reference(dirs[0], r, k)
         assert (torch.tensor(r.logprobs) - logprobs).abs().max() < 1e-4, i
         assert _pairing_errors(r, r.route_versions, {new: experts}) == [], i
+
+
+STORE_RULE = """
+import json, sys
+import numpy as np
+from megatron_gspo.rollout.vllm.worker import RoutingCaptureExtension
+
+ext = RoutingCaptureExtension.__new__(RoutingCaptureExtension)
+ext._gspo_routes, ext._gspo_prompt_len = {}, {"sampled": 4, "chunked": 8}
+rows = lambda n, v: np.full((n, 1, 1), v, np.int16)
+ext._gspo_store("sampled", 0, rows(4, 1))  # prefill of the 4 prompt tokens samples token 0 (version 1)
+ext._gspo_store("sampled", 4, rows(1, 1))
+ext._gspo_store("sampled", 5, rows(1, 1))  # tokens 1, 2 sampled; then preempted by the weight update
+ext._gspo_store("sampled", 0, rows(7, 2))  # recompute: prompt + tokens 0..2 under version 2, samples token 3
+ext._gspo_store("chunked", 0, rows(4, 1))  # first chunk of an 8-token prompt, then preempted: nothing sampled
+ext._gspo_store("chunked", 0, rows(8, 2))
+out = {rid: buf[:n, 0, 0].tolist() for rid, (buf, n) in ext._gspo_routes.items()}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_route_store_keeps_the_rows_that_sampled_tokens():
+    """The gate hooks' rule for a recomputed request (vllm/worker.py), run in the vLLM environment: rows of
+    positions whose forward sampled a token keep their first recording; rows of a prompt prefill interrupted
+    before sampling anything take the recompute's (they routed no token)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([str(VLLM_PYTHON), "-c", STORE_RULE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rows == {"sampled": [1, 1, 1, 1, 1, 1, 2], "chunked": [2] * 8}
