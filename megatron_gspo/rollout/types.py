@@ -94,9 +94,9 @@ class Rollout:
                     f"rollout has {len(self.response_ids)} response tokens but {len(versions)} token versions"
                 )
             if versions and min(versions) != self.weight_version:
-                raise ValueError(
-                    f"rollout weight_version={self.weight_version} is not its oldest token's version {min(versions)}"
-                )
+                oldest = min(versions)
+                problem = f"rollout weight_version={self.weight_version} is not its oldest token's version {oldest}"
+                raise ValueError(problem)
 
     @property
     def versions(self) -> list[int]:

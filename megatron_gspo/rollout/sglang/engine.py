@@ -223,7 +223,8 @@ class SGLangEngine(ServerEngine):
         """Pauses generation, sends the tensors (bucketed, in order), flushes the cache, continues."""
         cfg = self.config
         urls = self.server_urls
-        await self._call_all("/pause_generation", {"mode": "retract" if self._continues_in_flight() else "abort"})
+        mode = "retract" if self._continues_in_flight() else "abort"
+        await self._call_all("/pause_generation", {"mode": mode})
         buckets = iter_buckets(named_tensors, cfg.bucket_bytes)
         if cfg.weight_sync in ("disk", "shm"):
 

@@ -241,7 +241,8 @@ class VLLMEngine(ServerEngine):
             write_checkpoint_dir(buckets, target)
             self._version_dir = target
         keep = self._continues_in_flight()
-        await self._call_all("/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=abort&clear_cache=true")
+        pause = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=abort&clear_cache=true"
+        await self._call_all(pause)
         await self._call_all("/start_weight_update", **wait)
         if cfg.weight_transport == "nccl":
             await self._push_nccl(buckets)
@@ -252,7 +253,8 @@ class VLLMEngine(ServerEngine):
         answers = await self._call_all("/reset_prefix_cache?reset_running_requests=true")
         for url, answer in zip(self.server_urls, answers):
             if isinstance(answer, dict) and answer.get("success") is False:
-                raise ServerResponseError(url, "/reset_prefix_cache failed: old KV could be reused", kind=self.kind)
+                problem = "/reset_prefix_cache failed: KV of the old weights could be reused"
+                raise ServerResponseError(url, problem, kind=self.kind)
         await self._call_all("/resume")
         versions = await self._weight_versions()
         if any(v != version for v in versions):

@@ -154,7 +154,9 @@ def decode_generate_response(
                 f"not the sampled {token}",
             )
         logprobs.append(float(lp))
-    versions = decode_weight_versions(choice.get("weight_versions"), url, len(tokens)) if finish != "abort" else []
+    versions = []
+    if finish != "abort":
+        versions = decode_weight_versions(choice.get("weight_versions"), url, len(tokens))
     experts = None
     if routing is not None and finish != "abort":
         experts = decode_routed_experts(

@@ -29,10 +29,11 @@ their first rows: the first forward of position p is the one whose logits sample
 the response reports); the recompute only rebuilds KV, under the new weights after an update, and taking its rows
 would pair the old version's tokens with the new version's routes (the versioned-R3 bug). Positions past the
 recorded ones are appended. Only a (chunked) prompt prefill interrupted before it sampled anything has its rows
-replaced: they routed no token, the recompute's route the first one. Appending every step's rows instead gave the recomputed prefix twice and routes
-shifted against the tokens (11 of 12 samples wrong under KV pressure). This holds because the CPU platform runs
-the synchronous scheduler (vLLM 0.32 platforms/cpu.py sets `async_scheduling = False`): a preemption never drops
-a token already forwarded, so a position's first forward always had the token it finally holds.
+replaced: they routed no token, the recompute's route the first one. Appending every step's rows instead gave the
+recomputed prefix twice and routes shifted against the tokens (11 of 12 samples wrong under KV pressure). This
+holds because the CPU platform runs the synchronous scheduler (vLLM 0.32 platforms/cpu.py sets
+`async_scheduling = False`): a preemption never drops a token already forwarded, so a position's first forward
+always had the token it finally holds.
 """
 
 from __future__ import annotations
