@@ -28,7 +28,8 @@ from tests.distributed import free_port
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SAMPLES = 3
-MAX_NEW_TOKENS = 160
+MAX_NEW_TOKENS = 224
+"""Long enough that the sync (its checkpoint is written while the server keeps sampling) lands mid-answer."""
 
 pytestmark = [
     pytest.mark.slow,
@@ -184,6 +185,7 @@ def test_generation_spanning_a_weight_update_is_continued_token_by_token(server,
         # nothing lost or cut short: every sample ran to max_new_tokens (no stop tokens), versions in order
         assert r.finish_reason == "length" and len(r.response_ids) == MAX_NEW_TOKENS, (i, r.finish_reason)
         versions = r.versions
+        assert start + 1 in versions, f"sample {i} ended before the sync reached the server: {r.token_versions}"
         switch = versions.index(start + 1)
         assert 0 < switch and versions == [start] * switch + [start + 1] * (MAX_NEW_TOKENS - switch), (i, versions)
         assert r.weight_version == start and r.token_versions == versions
