@@ -3,6 +3,14 @@
 Routed-expert convention (same as SGLang's `return_routed_experts`): one row per token *fed* to the model, i.e.
 positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never an input), shape
 [prompt + response - 1, num_moe_layers, topk], stored compactly (uint8 when experts <= 256, else int16).
+
+Weight versions (partial rollouts): a sample whose generation spanned a weight update carries the version that
+sampled each response token (`token_versions`). Row r of `routed_experts` is the routing of the forward whose
+logits sampled the token at position r + 1 (for r >= len(prompt) - 1: response token r + 1 - len(prompt)), so it
+has that token's version; the prompt rows before it come from the first forward, of the first response token's
+version (`Rollout.route_versions`). An engine keeps the routes of that forward even when a partial rollout's
+continuation recomputes the prefix under newer weights, so each token's routes and log-prob come from the same
+weights (versioned R3).
 """
 
 from __future__ import annotations
@@ -65,7 +73,10 @@ class Rollout:
     routed_experts: torch.Tensor | None = None
     """[prompt + response - 1, layers, topk] uint8/int16 expert ids, when the engine records routing (R3)."""
     weight_version: int = 0
-    """Policy version that produced the sample."""
+    """Policy version that produced the sample: the oldest version among its tokens."""
+    token_versions: list[int] | None = None
+    """Weight version that sampled each response token (same length as response_ids), for a sample generated
+    across weight updates (partial rollouts); None: every token is `weight_version`'s."""
     extra: dict = field(default_factory=dict)
     """Engine-specific details (e.g. server URL)."""
     loss_mask: list[int] | None = None
@@ -84,6 +95,33 @@ class Rollout:
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason={self.finish_reason!r} must be one of {FINISH_REASONS}")
+        if self.token_versions is not None:
+            versions = self.token_versions
+            if len(versions) != len(self.response_ids):
+                raise ValueError(
+                    f"rollout has {len(self.response_ids)} response tokens but {len(versions)} token versions"
+                )
+            if versions and min(versions) != self.weight_version:
+                oldest = min(versions)
+                problem = f"rollout weight_version={self.weight_version} is not its oldest token's version {oldest}"
+                raise ValueError(problem)
+
+    @property
+    def versions(self) -> list[int]:
+        """The weight version of every response token (`token_versions`, or `weight_version` repeated)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.response_ids)
+
+    @property
+    def route_versions(self) -> list[int]:
+        """The weight version of every `routed_experts` row (module docstring): row r is the forward that sampled
+        the token at position r + 1, so it has that token's version; the rows of the prompt before its last token
+        have the first response token's."""
+        versions = self.versions
+        if not versions:
+            return []
+        return [versions[0]] * (len(self.prompt_ids) - 1) + versions
 
 
 def compact_expert_dtype(num_experts: int) -> torch.dtype:
@@ -109,7 +147,13 @@ class RoutingSpec:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A source of rollouts: the in-process engine, or vLLM / SGLang servers."""
+    """A source of rollouts: the in-process engine, or vLLM / SGLang servers.
+
+    An engine whose `supports_partial_rollouts` attribute is True may have `update_weights` called from one thread
+    while `generate` runs in another: in-flight samples continue under the new weights (their `token_versions`
+    say which tokens each version sampled). Without the attribute (or False), weight syncs wait for `generate`
+    calls to return.
+    """
 
     weight_version: int
 

@@ -54,6 +54,12 @@ class ServerConfig:
     """Launch mode: write each server's output to files here (None: inherit stdout/stderr)."""
     stop_grace_s: float = 10.0
     """How long a stopped server gets after SIGTERM before SIGKILL."""
+    partial_rollouts: bool = True
+    """A weight sync during generation continues the samples in flight under the new weights, each token tagged
+    with the version that sampled it (`engine.supports_partial_rollouts` says whether the servers can: vllm/ and
+    sglang/engine.py); false, or servers that cannot: they are aborted and sampled again from scratch. Not with
+    the servers' own return_routed_experts, which keep only the routes of a sample's last prefill (the prefix
+    recomputed under the new weights; vLLM's capture_routes keeps the routes that sampled each token)."""
     return_routed_experts: bool = False
     """Ask servers for the experts they routed each token to (R3 routing replay)."""
     num_experts: int | None = None

@@ -9,11 +9,17 @@ line, the request body and its decoding, aborts, and how weights get into the se
     engine.update_weights(model_chunks, version=step)                             # after each optimizer step
     engine.close()
 
-`generate` is synchronous: it runs the engine's private event loop until every sample is back. Each of the n
-samples of a prompt is its own request (its own seed, derived from `sampling.seed`, the sample's index and the
-data-parallel rank; retried on its own) and all of them go to the same server (its prefix cache holds the prompt).
-A sample is retried on connection errors, 5xx, malformed JSON, abort, or weights older than `weight_version`;
-after `max_retries` the whole call raises: it never returns fewer rollouts than asked for.
+`generate` is synchronous: it waits until the engine's event loop (its own thread) has every sample back. Each of
+the n samples of a prompt is its own request (its own seed, derived from `sampling.seed`, the sample's index and
+the data-parallel rank; retried on its own) and all of them go to the same server (its prefix cache holds the
+prompt). A sample is retried on connection errors, 5xx, malformed JSON, abort, or weights older than the engine's
+`weight_version` when it was sent; after `max_retries` the whole call raises: it never returns fewer rollouts than
+asked for.
+
+Threads: every method may be called from any thread, and `generate` and `update_weights` concurrently (a producer
+thread generating while the trainer thread syncs): both only submit coroutines to the loop thread and wait. What
+happens to samples in flight during a sync is the protocol's (`supports_partial_rollouts`: continued under the new
+weights, vllm/engine.py; otherwise aborted and retried from scratch, or the caller waits for call boundaries).
 
 With a `ReplicaGroup` (server/replicas.py), only one rank of each model replica (its TP x PP ranks) talks to the
 servers; it broadcasts the rollouts to the others, so every rank of a replica trains on the same samples.
@@ -22,7 +28,10 @@ servers; it broadcasts the rollouts to the others, so every rank of a replica tr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
@@ -63,6 +72,9 @@ class ServerEngine:
     generate_path: ClassVar[str] = "/generate"
     """POST path of one generation request."""
     abort_timeout_s: ClassVar[float] = 2.0
+    supports_partial_rollouts: bool = False
+    """Whether `update_weights` may run while `generate` is in flight, continuing its samples under the new
+    weights (RolloutEngine); a protocol that does so says True."""
 
     def __init__(
         self,
@@ -92,9 +104,16 @@ class ServerEngine:
         self._barrier = barrier
         self.weight_version = int(initial_version)
         self._exporter = exporter
-        self._weights_ok = True
         self._failed_version: int | None = None
+        """Version of the last weight sync that failed (generation is refused until one succeeds)."""
+        self._pushing: int | None = None
+        """Version of the weight sync in progress (servers may already report it)."""
+        self._update_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name=f"{self.kind}-engine-loop", daemon=True
+        )
+        self._loop_thread.start()
         self._client = HTTPClient(
             timeout_s=config.request_timeout_s,
             max_retries=config.max_retries,
@@ -106,7 +125,7 @@ class ServerEngine:
         self._process_of: dict[str, ManagedProcess] = {}
         self._inflight: dict[str, str] = {}
         self._run_id = uuid.uuid4().hex[:8]
-        self._calls = 0
+        self._call_ids = itertools.count(1)
         self._closed = False
         self.server_urls: list[str] = []
         """Every server (weight sync and health go to each)."""
@@ -197,21 +216,35 @@ class ServerEngine:
         """Protocol-specific clean-up at close (e.g. leaving a weight-update group); default: nothing."""
 
     def close(self) -> None:
-        """Aborts running requests, releases protocol state, stops the servers started here (idempotent)."""
+        """Aborts running requests, releases protocol state, stops the servers started here (idempotent).
+
+        A `generate` still waiting in another thread ends with an error (its samples are cancelled)."""
         if self._closed:
             return
         self._closed = True
         try:
-            if not self._loop.is_running():
-                if self._inflight:
-                    self._loop.run_until_complete(self._abort_inflight())
-                self._loop.run_until_complete(self._release())
-                self._loop.run_until_complete(self._client.close())
+            if self._loop_thread.is_alive() and threading.current_thread() is not self._loop_thread:
+                try:
+                    self._run(self._shut_down())
+                finally:
+                    self._loop.call_soon_threadsafe(self._loop.stop)
+                    self._loop_thread.join(timeout=30)
         finally:
             if self._supervisor is not None:
                 self._supervisor.close()
             if not self._loop.is_running():
                 self._loop.close()
+
+    async def _shut_down(self) -> None:
+        """Cancels whatever other threads still wait for, aborts its requests, then releases protocol state."""
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        if self._inflight:
+            await self._abort_inflight()
+        await self._release()
+        await self._client.close()
 
     def __enter__(self):
         return self
@@ -224,17 +257,33 @@ class ServerEngine:
             raise RuntimeError(f"{type(self).__name__} is closed")
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Runs `coro` on the private loop; on an interrupt (e.g. Ctrl-C) it is cancelled, then re-raised."""
-        if self._loop.is_running():
+        """Runs `coro` on the engine's loop thread and waits for it (several threads may wait at once); on an
+        interrupt of the waiting thread (e.g. Ctrl-C) the coroutine is cancelled, waited for, then re-raised."""
+        if threading.current_thread() is self._loop_thread:
+            coro.close()
             raise RuntimeError(f"{type(self).__name__} methods are synchronous and not re-entrant")
-        task = self._loop.create_task(coro)
+        if not self._loop_thread.is_alive():
+            coro.close()
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        started: concurrent.futures.Future[asyncio.Task] = concurrent.futures.Future()
+        finished = threading.Event()
+
+        def start() -> None:
+            task = self._loop.create_task(coro)
+            task.add_done_callback(lambda _: finished.set())
+            started.set_result(task)
+
+        self._loop.call_soon_threadsafe(start)
+        task = started.result()
         try:
-            return self._loop.run_until_complete(task)
+            finished.wait()
         except BaseException:
-            if not task.done():
-                task.cancel()
-                self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+            self._loop.call_soon_threadsafe(task.cancel)
+            finished.wait()
             raise
+        if task.cancelled() and self._closed:
+            raise RuntimeError(f"{type(self).__name__} was closed while this call waited for it")
+        return task.result()
 
     # --------------------------------------------------------------------------------------------- generation
 
@@ -262,33 +311,48 @@ class ServerEngine:
             return self.replica.share(lambda: self._generate_here(prompts, sampling))
         return self._generate_here(prompts, sampling)
 
-    def _generate_here(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
-        if not self._weights_ok:
+    def _check_weights(self) -> None:
+        if self._failed_version is not None:
             raise ServerError(
                 f"the weight sync to version {self._failed_version} failed, so the {self.kind} servers hold "
                 "unknown weights; call update_weights again before generating"
             )
+
+    def _generate_here(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        self._check_weights()
         if not prompts:
             return []
-        self._calls += 1
+        call = next(self._call_ids)
         try:
-            return self._run(self._generate(prompts, sampling))
+            return self._run(self._generate(prompts, sampling, call))
         except BaseException:
-            if self._inflight and not self._loop.is_closed():
-                self._run(self._abort_inflight())
+            if not self._closed:
+                self._run(self._abort_call(call))
             raise
 
-    async def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+    async def _generate(self, prompts: list[list[int]], sampling: SamplingParams, call: int) -> list[Rollout]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
         rollouts = await gather_or_cancel(
             *(
-                self._sample(limit, p, s, prompt, sampling)
+                self._sample(limit, call, p, s, prompt, sampling)
                 for p, prompt in enumerate(prompts)
                 for s in range(sampling.n)
             )
         )
         await self._after_generate(rollouts)
         return rollouts
+
+    def _request_id(self, call: int, p: int, s: int, attempt: int) -> str:
+        return f"{self._run_id}-{call}-{p}-{s}-{attempt}"
+
+    async def _abort_call(self, call: int) -> None:
+        """Aborts the requests of one `generate` call still running on the servers (another thread's stay)."""
+        prefix = f"{self._run_id}-{call}-"
+        mine = {rid: url for rid, url in self._inflight.items() if rid.startswith(prefix)}
+        for rid in mine:
+            self._inflight.pop(rid, None)
+        if mine:
+            await self._abort(mine)
 
     async def _after_generate(self, rollouts: list[Rollout]) -> None:
         """Protocol step once every sample is back (e.g. fetching recorded routes); default: nothing."""
@@ -314,9 +378,12 @@ class ServerEngine:
         return derive_sampling_seed(sampling.seed, index, stream=stream)
 
     async def _sample(
-        self, limit: asyncio.Semaphore, p: int, s: int, prompt: list[int], sampling: SamplingParams
+        self, limit: asyncio.Semaphore, call: int, p: int, s: int, prompt: list[int], sampling: SamplingParams
     ) -> Rollout:
-        """One rollout of prompt `p` (sample `s`), retried up to max_retries times."""
+        """One rollout of prompt `p` (sample `s`), retried up to max_retries times.
+
+        Its tokens must come from weights at least as new as the engine's when the request was sent (older: a
+        server missed an update, retried), and at most the version being synced (newer: another trainer)."""
         cfg = self.config
         seed = self.sample_seed(sampling, p * sampling.n + s)
         excluded: set[str] = set()
@@ -326,11 +393,13 @@ class ServerEngine:
                 delay = backoff_delay(cfg.backoff_s, attempt - 1)
                 logger.warning("prompt %d sample %d: %s; retry %d in %.2fs", p, s, last_error, attempt, delay)
                 await asyncio.sleep(delay)
+            self._check_weights()
             url = self._pick_url(p, attempt, excluded)
-            rid = f"{self._run_id}-{self._calls}-{p}-{s}-{attempt}"
+            rid = self._request_id(call, p, s, attempt)
             payload = self.build_request(prompt, sampling, rid=rid, seed=seed)
             try:
                 async with limit:
+                    floor = self.weight_version
                     body = await self._post_generate(url, rid, payload)
                 rollout = self.decode_response(body, url=url, prompt=prompt, prompt_index=p)
             except ServerError as e:
@@ -343,15 +412,16 @@ class ServerEngine:
             if rollout.finish_reason == "abort":
                 last_error = f"server {url} aborted the request: {rollout.extra.get('abort_reason')}"
                 continue
-            if rollout.weight_version < self.weight_version:
+            if rollout.weight_version < floor:
                 last_error = StaleWeightsError(
                     f"server {url} sampled with weight_version {rollout.weight_version}, "
-                    f"but the engine is at {self.weight_version}"
+                    f"but the engine is at {floor}"
                 )
                 continue
-            if rollout.weight_version > self.weight_version:
+            newest = max(rollout.versions, default=rollout.weight_version)
+            if newest > max(self.weight_version, self._pushing if self._pushing is not None else -1):
                 raise GenerateError(
-                    f"server {url} reports weight_version {rollout.weight_version}, newer than this engine's "
+                    f"server {url} reports weight_version {newest}, newer than this engine's "
                     f"{self.weight_version}: is another trainer updating it?"
                 )
             rollout.extra.pop("abort_reason", None)
@@ -392,28 +462,30 @@ class ServerEngine:
     # -------------------------------------------------------------------------------------------- weight sync
 
     def update_weights(self, model_chunks: list, version: int) -> None:
-        """Exports the model chunks with the exporter and pushes them to every server as `version`."""
+        """Exports the model chunks with the exporter and pushes them to every server as `version` (one sync at
+        a time; a `generate` may be in flight in another thread, module docstring)."""
         self._check_open()
         if self._exporter is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no exporter; build it with exporter=iter_hf_tensors"
             )
-        self._check_version(version)  # before the exporter starts its collectives on every rank
-        named_tensors = self._exporter(model_chunks)
-        try:
-            if self.leader:
-                try:
-                    self.push_weights(named_tensors, version)
-                except Exception:
-                    drain(named_tensors)  # keep the other ranks' collectives matched before the barrier
-                    raise
-            else:
-                for _ in named_tensors:  # the exporter's collectives need every rank
-                    pass
-                self.weight_version = version
-        finally:
-            if self._barrier is not None:
-                self._barrier()
+        with self._update_lock:
+            self._check_version(version)  # before the exporter starts its collectives on every rank
+            named_tensors = self._exporter(model_chunks)
+            try:
+                if self.leader:
+                    try:
+                        self._push_weights(named_tensors, version)
+                    except Exception:
+                        drain(named_tensors)  # keep the other ranks' collectives matched before the barrier
+                        raise
+                else:
+                    for _ in named_tensors:  # the exporter's collectives need every rank
+                        pass
+                    self.weight_version = version
+            finally:
+                if self._barrier is not None:
+                    self._barrier()
 
     def _check_version(self, version: int) -> None:
         if not isinstance(version, int) or version < self.weight_version:
@@ -422,25 +494,37 @@ class ServerEngine:
     def push_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
         """Sends the tensors to every server as `version` (`_push`, the protocol); then `weight_version =
         version`. On failure generation is refused until a sync succeeds."""
+        with self._update_lock:
+            self._push_weights(named_tensors, version)
+
+    def _push_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
         self._check_open()
         if not self.leader:
             raise RuntimeError(f"only the leader {type(self).__name__} (global rank 0) pushes weights")
         self._check_version(version)
-        self._weights_ok = False
-        self._failed_version = version
+        self._pushing = version
         try:
             self._run(self._push(named_tensors, version))
         except BaseException:
-            if not self._loop.is_closed():
-                self._run(self._after_failed_push())
+            self._failed_version = version
+            if not self._closed:
+                self._run(self._after_failed_push_all())
             raise
+        finally:
+            self._pushing = None
         self.weight_version = version
-        self._weights_ok = True
         self._failed_version = None
 
     async def _push(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
         """The protocol's weight update of every server (the subclass)."""
         raise NotImplementedError
+
+    async def _after_failed_push_all(self) -> None:
+        # Requests still running (or held by a paused server) would never finish on unknown weights: abort them,
+        # so that a `generate` in another thread fails now (its retries see the failed sync) instead of at its
+        # request timeout.
+        await self._abort_inflight()
+        await self._after_failed_push()
 
     async def _after_failed_push(self) -> None:
         """Protocol clean-up after a failed `_push` (e.g. drop a half-used NCCL group); default: nothing."""

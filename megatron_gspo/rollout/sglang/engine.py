@@ -8,7 +8,10 @@ What SGLang adds to server/engine.py: its command lines and optional sglang-rout
 server is (`/server_info`: release and flags, sglang/server_info.py; the protocol follows the release), the
 `/generate` bodies (sglang/protocol.py), `/abort_request`, and weight sync by NCCL broadcast or safetensors files
 around `/pause_generation` ... `/flush_cache` ... `/continue_generation` (sglang/weight_sync.py); colocated
-servers release and resume their GPU memory.
+servers release and resume their GPU memory. Partial rollouts (`sglang.partial_rollouts`, servers >= 0.5.23, no
+R3 from the servers): the pause retracts the running requests instead of aborting them, and they continue under
+the new weights with per-token versions (`supports_partial_rollouts`, `_continues_in_flight`). Read in SGLang's
+source and checked by the conformance harness; not run against a real SGLang server (GPU only).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from megatron_gspo.rollout.sglang.protocol import (
     decode_generate_response,
 )
 from megatron_gspo.rollout.sglang.server_info import ServerInfo, check_server
+from megatron_gspo.rollout.sglang.versions import PER_TOKEN_VERSIONS_FROM
 from megatron_gspo.rollout.sglang.weight_sync import (
     GroupFactory,
     UpdateGroup,
@@ -141,6 +145,25 @@ class SGLangEngine(ServerEngine):
     # --------------------------------------------------------------------------------------------- generation
 
     @property
+    def supports_partial_rollouts(self) -> bool:  # type: ignore[override]
+        """Whether a sync continues the samples in flight (`_continues_in_flight`) and may run while this rank's
+        `generate` does (not for a replica of several ranks: its `generate` broadcasts over the model-parallel
+        group, which the sync's exporter uses from another thread)."""
+        alone = self.replica is None or self.replica.size == 1
+        return self._continues_in_flight() and alone
+
+    def _continues_in_flight(self) -> bool:
+        """`/pause_generation {mode: retract}` (SGLang's scheduler moves the running requests back to its waiting
+        queue with their output so far; `/flush_cache` drops their KV while paused, 0.5.23 `flush_cache`
+        `ignore_waiting`, and `/continue_generation` prefills them again under the new weights) when every server
+        reports per-token weight versions (versions.py); without R3 from the servers (their capture of a
+        retracted request is its last prefill's) and not colocated (memory released between calls)."""
+        cfg = self.config
+        infos = list(self.server_info.values())
+        spans = bool(infos) and all(i.release >= PER_TOKEN_VERSIONS_FROM for i in infos)
+        return cfg.partial_rollouts and spans and not cfg.return_routed_experts and not cfg.colocated
+
+    @property
     def seeds_honoured(self) -> bool:
         """Whether the servers use each request's `sampling_seed` (only with --enable-deterministic-inference)."""
         infos = list(self.server_info.values())
@@ -200,7 +223,8 @@ class SGLangEngine(ServerEngine):
         """Pauses generation, sends the tensors (bucketed, in order), flushes the cache, continues."""
         cfg = self.config
         urls = self.server_urls
-        await self._call_all("/pause_generation", {"mode": "abort"})
+        mode = "retract" if self._continues_in_flight() else "abort"
+        await self._call_all("/pause_generation", {"mode": mode})
         buckets = iter_buckets(named_tensors, cfg.bucket_bytes)
         if cfg.weight_sync in ("disk", "shm"):
 

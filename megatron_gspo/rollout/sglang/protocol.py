@@ -9,7 +9,9 @@ Response shape (REFERENCE.md §4)::
         "finish_reason": {"type": "stop" | "length" | "abort", ...},
         "output_token_logprobs": [[logprob, token_id, text | null], ...],   # one per response token
         "routed_experts": "<base64 of int32 [P + R - 1, L, K]>",              # with return_routed_experts
-        "weight_version": "3"}}                                               # a string; "default" at start
+        "weight_version": "3",                                                # a string; "default" at start
+        "weight_versions": [{"version": "2", "start": 0, "end": k},          # SGLang >= 0.5.23: per-token
+                            {"version": "3", "start": k, "end": R}]}}        # spans (weight_version: the last)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from megatron_gspo.rollout.server.errors import ServerResponseError
 from megatron_gspo.rollout.server.errors import parse_json_body as parse_server_json
 from megatron_gspo.rollout.server.seeds import derive_sampling_seed
+from megatron_gspo.rollout.server.weight_versions import expand_version_spans
 from megatron_gspo.rollout.types import Rollout, RoutingSpec, SamplingParams, compact_expert_dtype
 
 __all__ = [
@@ -102,6 +105,20 @@ def parse_weight_version(value: Any, url: str) -> int:
         raise SGLangResponseError(
             url, f"meta_info.weight_version={value!r} is not an integer (this engine sets it to the step)"
         ) from None
+
+
+def decode_weight_versions(meta: dict, url: str, num_tokens: int) -> list[int]:
+    """The weight version of each response token. SGLang >= 0.5.23 reports per-token spans
+    (`meta_info.weight_versions`, srt/utils/weight_versions.py) and `weight_version` = the newest span's, so a
+    sample generated across an update is as old as its oldest span, not its `weight_version`; older releases
+    report one version for the whole sample."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return [parse_weight_version(meta.get("weight_version"), url)] * num_tokens
+    try:
+        return expand_version_spans(spans, num_tokens, lambda v: parse_weight_version(v, url))
+    except ValueError as e:
+        raise SGLangResponseError(url, f"meta_info.weight_versions{e}") from None
 
 
 def decode_routed_experts(
@@ -207,7 +224,7 @@ def decode_generate_response(
         not isinstance(output_ids, list) or output_ids[: len(response_ids)] != response_ids[: len(output_ids)]
     ):
         raise SGLangResponseError(url, "output_ids disagree with meta_info.output_token_logprobs")
-    version = parse_weight_version(meta.get("weight_version"), url)
+    versions = decode_weight_versions(meta, url, len(response_ids))
     experts = None
     if routing is not None and finish != "abort":
         if "routed_experts" not in meta:
@@ -225,6 +242,7 @@ def decode_generate_response(
         finish_reason=finish,
         prompt_index=prompt_index,
         routed_experts=experts,
-        weight_version=version,
+        weight_version=min(versions, default=parse_weight_version(meta.get("weight_version"), url)),
+        token_versions=versions if len(set(versions)) > 1 else None,
         extra={"server": url, "rid": meta.get("id"), "abort_reason": meta.get("finish_reason")},
     )

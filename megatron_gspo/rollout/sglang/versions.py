@@ -11,6 +11,9 @@ Read in SGLang's own source (sglang/srt/...), per release:
   tensor itself into meta_info and FastAPI serialises it as `{}`; from 0.5.10 on the tokenizer manager sends it
   base64-encoded (int32) on that path too.
 - /server_info (GET) returns the server arguments and `version` in every release listed here.
+- 0.5.23 tags every output token with the weight version that sampled it (`meta_info.weight_versions` spans,
+  srt/utils/weight_versions.py; `weight_version` is then the newest span's); 0.5.9 reports one version per
+  sample. Releases in between were not read: partial rollouts are used from 0.5.23 on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ SGLANG_ROUTER = "0.3.2"
 
 WEIGHT_UPDATE_SESSION_FROM = (0, 5, 21)
 """First release whose weight updates must run between /begin_weight_update and /end_weight_update."""
+PER_TOKEN_VERSIONS_FROM = (0, 5, 23)
+"""First release read here that reports per-token weight versions (what partial rollouts need)."""
 ROUTED_EXPERTS_BASE64_FROM = (0, 5, 10)
 """First release that returns routed experts (base64) to a server started with --skip-tokenizer-init."""
 

@@ -6,11 +6,25 @@
 
 What vLLM adds to server/engine.py: its command line (vllm/launch.py), `/inference/v1/generate` bodies
 (vllm/protocol.py: token ids, the sampled tokens' log-probs, per-token weight versions, routed experts), and a
-weight update between `/pause` (in-flight requests aborted, KV and prefix caches cleared) and `/resume`:
+weight update between `/pause` and `/resume`:
 
-    /start_weight_update -> /update_weights {update_info} -> /finish_weight_update {weight_version}
-    -> /reset_prefix_cache  (KV computed with the old weights must never be reused: it was 0.32 off, §9)
+    /pause?mode=keep&clear_cache=false -> /start_weight_update -> /update_weights {update_info}
+    -> /finish_weight_update {weight_version} -> /reset_prefix_cache?reset_running_requests=true -> /resume
     -> GET /weight_info == version on every server
+
+Partial rollouts (`vllm.partial_rollouts`, the default), from vLLM 0.32's source: `/pause?mode=keep` freezes the
+scheduler (`PauseState.PAUSED_ALL`: no step runs, requests stay queued; v1/engine/core.py `pause_scheduler`) after
+the step in progress, so no token is lost or sampled twice. After the update, `/reset_prefix_cache` with
+`reset_running_requests=true` preempts every running request (v1/core/sched/scheduler.py `reset_prefix_cache` ->
+`_preempt_request`: KV blocks freed, `num_computed_tokens = 0`), so that on `/resume` each one is prefilled again,
+prompt + the tokens it has so far, under the new weights, and continues decoding as the same request (its seeded
+generator and sampling settings kept). KV computed with the old weights is never reused (it was 0.32 off, §9):
+the tokens sampled after the update have the new weights' log-probs of the whole sequence. The engine core labels
+each step's output with the weight version it ran under (`_attach_weight_version`); the response's spans give every
+token's version (`Rollout.token_versions`). With capture_routes the gate hooks keep the routes of each position's
+first forward, the one that sampled the next token (vllm/worker.py), not the recomputed prefix's: versioned R3.
+`vllm.partial_rollouts=false` (or vLLM's own return_routed_experts, whose capture a preemption resets to the last
+prefill's routes) pauses with `mode=abort` instead: samples in flight come back aborted and are sampled again.
 
 `update_info` depends on `vllm.weight_transport`: 'shm' / 'disk' write the version as a safetensors directory
 (server/transport.py) that megatron-gspo's vLLM plugin (vllm/plugin.py, vllm/worker.py) loads; 'nccl' uses
@@ -81,6 +95,17 @@ class VLLMEngine(ServerEngine):
         super().__init__(config, exporter, **kwargs)
 
     # ---------------------------------------------------------------------------------------------- lifecycle
+
+    @property
+    def supports_partial_rollouts(self) -> bool:  # type: ignore[override]
+        """Whether a sync continues samples in flight (module docstring). Not for a replica of several ranks: its
+        `generate` broadcasts over the model-parallel group, which the sync's exporter uses from another thread."""
+        alone = self.replica is None or self.replica.size == 1
+        return self._continues_in_flight() and alone
+
+    def _continues_in_flight(self) -> bool:
+        """Whether a sync pauses with mode=keep (samples continue) rather than mode=abort."""
+        return self.config.partial_rollouts and not self.config.return_routed_experts
 
     def server_command(self, index: int) -> list[str]:
         return server_command(self.config, index)
@@ -215,14 +240,21 @@ class VLLMEngine(ServerEngine):
             target = self.weight_root() / f"weights-v{version}"
             write_checkpoint_dir(buckets, target)
             self._version_dir = target
-        await self._call_all("/pause?mode=abort&clear_cache=true")
+        keep = self._continues_in_flight()
+        pause = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=abort&clear_cache=true"
+        await self._call_all(pause)
         await self._call_all("/start_weight_update", **wait)
         if cfg.weight_transport == "nccl":
             await self._push_nccl(buckets)
         else:
             await self._call_all("/update_weights", {"update_info": {"path": str(self._version_dir)}}, **wait)
         await self._call_all("/finish_weight_update", {"weight_version": str(version)}, **wait)
-        await self._call_all("/reset_prefix_cache")
+        # Kept requests are preempted here: on /resume they recompute their KV under the new weights.
+        answers = await self._call_all("/reset_prefix_cache?reset_running_requests=true")
+        for url, answer in zip(self.server_urls, answers):
+            if isinstance(answer, dict) and answer.get("success") is False:
+                problem = "/reset_prefix_cache failed: KV of the old weights could be reused"
+                raise ServerResponseError(url, problem, kind=self.kind)
         await self._call_all("/resume")
         versions = await self._weight_versions()
         if any(v != version for v in versions):

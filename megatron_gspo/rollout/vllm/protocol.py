@@ -10,7 +10,8 @@ Response shape (one choice per request; read in vllm/entrypoints/scale_out/token
         "token_ids": [...],                                                     # R response tokens
         "logprobs": {"content": [{"token_id": t, "logprob": x, ...}, ...]},      # one per response token
         "routed_experts": "<base64 of .npy [P + R - 1, L, K]>" | null,          # --enable-return-routed-experts
-        "weight_versions": [{"version": "3", "start": 0, "end": R}, ...]}]}     # "default" before any update
+        "weight_versions": [{"version": "3", "start": 0, "end": k}, {"version": "4", "start": k, "end": R}]}]}
+                                             # per-token versions as spans ("default" before any update)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_gspo.rollout.server.errors import ServerResponseError
+from megatron_gspo.rollout.server.weight_versions import expand_version_spans
 from megatron_gspo.rollout.types import Rollout, RoutingSpec, SamplingParams, compact_expert_dtype
 
 KIND = "vLLM"
@@ -67,16 +69,16 @@ def parse_weight_version(value: Any, url: str) -> int:
         ) from None
 
 
-def decode_weight_versions(spans: Any, url: str) -> int:
-    """The oldest weight version among the choice's spans (a sample that straddles an update is as old as its
-    oldest tokens)."""
+def decode_weight_versions(spans: Any, url: str, num_tokens: int) -> list[int]:
+    """The weight version of each of the choice's `num_tokens` response tokens, from vLLM's spans (the engine
+    core labels every step's output with the version it ran under, v1/engine/core.py `_attach_weight_version`;
+    the output processor opens a span where the label changes)."""
     if spans is None:
         raise _error(url, "response lacks choices[0].weight_versions (a vLLM older than 0.32?)")
-    if not isinstance(spans, list) or not all(isinstance(s, dict) and "version" in s for s in spans):
-        raise _error(url, f"choices[0].weight_versions={spans!r} is not a list of {{version, start, end}}")
-    if not spans:
-        return 0
-    return min(parse_weight_version(s["version"], url) for s in spans)
+    try:
+        return expand_version_spans(spans, num_tokens, lambda v: parse_weight_version(v, url))
+    except ValueError as e:
+        raise _error(url, f"choices[0].weight_versions{e}") from None
 
 
 def decode_routed_experts(
@@ -152,7 +154,9 @@ def decode_generate_response(
                 f"not the sampled {token}",
             )
         logprobs.append(float(lp))
-    version = decode_weight_versions(choice.get("weight_versions"), url) if finish != "abort" else 0
+    versions = []
+    if finish != "abort":
+        versions = decode_weight_versions(choice.get("weight_versions"), url, len(tokens))
     experts = None
     if routing is not None and finish != "abort":
         experts = decode_routed_experts(
@@ -165,7 +169,8 @@ def decode_generate_response(
         finish_reason=finish,
         prompt_index=prompt_index,
         routed_experts=experts,
-        weight_version=version,
+        weight_version=min(versions, default=0),
+        token_versions=versions if len(set(versions)) > 1 else None,
         extra={"server": url, "abort_reason": choice.get("stop_reason")},
     )
 

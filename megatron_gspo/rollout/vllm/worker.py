@@ -22,10 +22,18 @@ input batch's order with the scheduler's token counts (how the V1 runner flatten
 
 Rows are stored by absolute token position, from the scheduler's `num_computed_tokens` of each scheduled request
 (`scheduled_new_reqs[i].num_computed_tokens`, `scheduled_cached_reqs.num_computed_tokens[i]`: where this step's
-tokens start). A request preempted for KV blocks (or by `/reset_prefix_cache?reset_running_requests=true`) is reset
-to 0 computed tokens by the scheduler (`Scheduler._preempt_request`) and forwarded again from token 0 when it
-resumes: its rows from there on replace the earlier ones. Appending per step instead gave the recomputed prefix
-twice and routes shifted against the tokens (11 of 12 samples wrong under KV pressure).
+tokens start). A request preempted for KV blocks (or by `/reset_prefix_cache?reset_running_requests=true`, which
+the engine's partial rollouts use after a weight update) is reset to 0 computed tokens by the scheduler
+(`Scheduler._preempt_request`) and forwarded again from token 0 when it resumes. The recomputed positions keep
+their first rows: the first forward of position p is the one whose logits sampled token p + 1 (and whose log-prob
+the response reports); the recompute only rebuilds KV, under the new weights after an update, and taking its rows
+would pair the old version's tokens with the new version's routes (the versioned-R3 bug). Positions past the
+recorded ones are appended. Only a (chunked) prompt prefill interrupted before it sampled anything has its rows
+replaced: they routed no token, the recompute's route the first one. Appending every step's rows instead gave the
+recomputed prefix twice and routes shifted against the tokens (11 of 12 samples wrong under KV pressure). This
+holds because the CPU platform runs the synchronous scheduler (vLLM 0.32 platforms/cpu.py sets
+`async_scheduling = False`): a preemption never drops a token already forwarded, so a position's first forward
+always had the token it finally holds.
 """
 
 from __future__ import annotations
@@ -143,6 +151,8 @@ class RoutingCaptureExtension:
         self._gspo_routes: dict[str, tuple[np.ndarray, int]] = {}
         """request id -> (rows by token position [capacity, L, K], positions recorded)"""
         self._gspo_step: list[torch.Tensor] = []
+        self._gspo_prompt_len: dict[str, int] = {}
+        """request id -> prompt tokens (a request has sampled a token once position prompt - 1 was forwarded)"""
         self._gspo_gates = [
             m.gate for m in runner.get_model().modules() if hasattr(m, "gate") and hasattr(m, "experts")
         ]
@@ -161,6 +171,9 @@ class RoutingCaptureExtension:
             if self._gspo_step and len(self._gspo_step) == len(self._gspo_gates):
                 ids_TLK = torch.stack(self._gspo_step, dim=1).to(torch.int16).cpu().numpy()
                 starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+                for r in scheduler_output.scheduled_new_reqs:
+                    if r.prompt_token_ids is not None:
+                        self._gspo_prompt_len.setdefault(r.req_id, len(r.prompt_token_ids))
                 cached = scheduler_output.scheduled_cached_reqs
                 starts.update(zip(cached.req_ids, cached.num_computed_tokens))
                 offset = 0
@@ -176,9 +189,14 @@ class RoutingCaptureExtension:
         return str(len(self._gspo_gates))
 
     def _gspo_store(self, rid: str, start: int, rows: np.ndarray) -> None:
-        """Rows of positions [start, start + n); everything recorded past `start` is stale (a recompute)."""
+        """Rows of positions [start, start + n); positions recorded before keep their first rows (a recompute
+        after a preemption, module docstring)."""
         buf, length = self._gspo_routes.get(rid, (None, 0))
+        if start < length < self._gspo_prompt_len.get(rid, 0):
+            length = start  # a prompt prefill that sampled nothing before it was preempted
         end = start + len(rows)
+        if end <= length:
+            return
         if buf is None or end > len(buf):
             capacity = max(end, 2 * (0 if buf is None else len(buf)), 64)
             grown = np.full((capacity, *rows.shape[1:]), -1, np.int16)
@@ -187,7 +205,8 @@ class RoutingCaptureExtension:
             buf = grown
         if start > length:
             buf[length:start] = -1  # never forwarded (e.g. a prefix-cache hit): the pop reports them
-        buf[start:end] = rows
+        fresh = max(start, length)
+        buf[fresh:end] = rows[fresh - start :]
         self._gspo_routes[rid] = (buf, end)
 
     def gspo_pop_routes(self, request: str) -> dict:
@@ -200,9 +219,11 @@ class RoutingCaptureExtension:
             match = next((p for p in wanted if rid == p or rid.startswith(p + "-")), None)
             if match is not None:
                 buf, length = self._gspo_routes.pop(rid)
+                self._gspo_prompt_len.pop(rid, None)
                 encoded = io.BytesIO()
                 np.save(encoded, buf[:length])
                 out[match] = base64.b64encode(encoded.getvalue()).decode("ascii")
             elif rid.startswith(forget):
                 del self._gspo_routes[rid]
+                self._gspo_prompt_len.pop(rid, None)
         return out

@@ -325,6 +325,11 @@ def build_response(spec: dict, io_struct: Any) -> dict:
         "output_token_logprobs_idx": [list(spec["output_ids"])],
         "routed_experts": [experts] if experts is not None else None,
     }
+    if spec.get("weight_versions") is not None:  # [[version, start, end], ...]: SGLang >= 0.5.23's scheduler spans
+        from sglang.srt.utils.weight_versions import WeightVersionSpan
+
+        spans = [WeightVersionSpan(version=v, start=a, end=b) for v, a, b in spec["weight_versions"]]
+        values["weight_versions"] = [spans]
     recv = construct(io_struct.BatchTokenIDOutput, values)
     manager = tokenizer_manager.TokenizerManager.__new__(tokenizer_manager.TokenizerManager)
     state = construct_state(tokenizer_manager, obj)

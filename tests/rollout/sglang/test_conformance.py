@@ -296,6 +296,26 @@ def test_sglang_0_5_9_routed_experts_are_unusable_and_named(tmp_path):
         decode_generate_response(answer["body"], url="http://x:1", prompt_ids=[3, 4, 5], routing=SPEC)
 
 
+def test_a_sample_across_a_weight_update_is_as_old_as_its_oldest_tokens(tmp_path):
+    """SGLang 0.5.23 tags each output token with the weight version that sampled it (spans over the output,
+    srt/utils/weight_versions.py) and reports `weight_version` = the newest span's. The answer its tokenizer
+    manager builds for a sample whose tokens 0-1 came from version 3 and 2-4 from version 4 decodes to per-token
+    versions and the oldest version (staleness counts from it)."""
+    model = write_model(tmp_path / "model")
+    payload = {"rid": "r", "input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 5}, "return_logprob": True,
+               "logprob_start_len": -1, "stream": False}
+    spec = dict(model_path=str(model), responses=[dict(payload=payload, output_ids=[9, 1, 2, 6, 7],
+                                                         logprobs=[-0.5, -1.0, -0.25, -2.0, -0.75], finish="length",
+                                                         routes=None, weight_versions=[["3", 0, 2], ["4", 2, 5]])])
+    proc = run_harness("0.5.23", spec, tmp_path)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "harness-0.5.23.log").read_text()[-3000:]
+    (answer,) = json.loads((tmp_path / "out-0.5.23.json").read_text())["responses"]
+    assert answer["ok"], answer.get("trace")
+    assert answer["body"]["meta_info"]["weight_version"] == "4"  # SGLang's own field: the newest
+    rollout = decode_generate_response(answer["body"], url="http://x:1", prompt_ids=[3, 4, 5])
+    assert rollout.weight_version == 3 and rollout.token_versions == [3, 3, 4, 4, 4]
+
+
 # -------------------------------------------------------------------------------------------- the router
 
 

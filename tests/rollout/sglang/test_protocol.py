@@ -68,7 +68,19 @@ def test_decode_recorded_response():
     assert rollout.extra["server"] == URL
     assert rollout.routed_experts.dtype == torch.uint8
     assert rollout.routed_experts.shape == (4, 2, 2)
+    assert rollout.token_versions is None  # 0.5.9: one version per sample
     assert rollout.routed_experts.tolist() == ROUTING_TLK
+
+
+def test_per_token_version_spans_are_checked():
+    body = recorded()
+    spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]
+    body["meta_info"]["weight_versions"] = spans
+    rollout = decode_generate_response(body, url=URL, prompt_ids=[5, 6, 7])
+    assert rollout.token_versions == [3, 4] and rollout.weight_version == 3  # weight_version "4": the newest
+    spans[1]["start"] = 2
+    with pytest.raises(SGLangResponseError, match="weight_versions=.* leaves a gap or overlap at token 1"):
+        decode_generate_response(body, url=URL, prompt_ids=[5, 6, 7])
 
 
 def test_routed_experts_int16_for_many_experts_and_range_check():

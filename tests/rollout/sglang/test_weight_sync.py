@@ -206,3 +206,20 @@ def test_memory_saver_calls(fake_servers, attach):
             ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
             ("/resume_memory_occupation", {"tags": None}),
         ]
+
+
+@pytest.mark.parametrize(
+    "version, overrides, mode",
+    [
+        ("0.5.23", {}, "retract"),  # per-token versions: samples in flight continue under the new weights
+        ("0.5.9", {}, "abort"),  # one version per sample: a continued sample could not say which tokens are new
+        ("0.5.23", {"partial_rollouts": False}, "abort"),
+    ],
+)
+def test_partial_rollouts_retract_only_where_tokens_carry_versions(fake_servers, attach, tmp_path, version,
+                                                                  overrides, mode):
+    (server,) = fake_servers(1, version=version)
+    engine = attach([server], weight_sync="disk", weight_sync_dir=str(tmp_path), **overrides)
+    assert engine.supports_partial_rollouts == (mode == "retract")
+    engine.push_weights(iter(named_weights()), version=1)
+    assert [p for path, p in server.calls if path == "/pause_generation"] == [{"mode": mode}]

@@ -41,10 +41,14 @@ class FakeVLLM(FakeSGLang):
         if self.malformed_json > 0:
             self.malformed_json -= 1
             return web.Response(body=b'{"choices": [{"token_ids": [1, 2', content_type="application/json")
-        if self.generate_delay_s:
-            import asyncio
+        self.in_flight += 1
+        try:
+            if self.generate_delay_s:
+                import asyncio
 
-            await asyncio.sleep(self.generate_delay_s)
+                await asyncio.sleep(self.generate_delay_s)
+        finally:
+            self.in_flight -= 1
         params = body["sampling_params"]
         seed = params.get("seed")
         if self.vary_per_request:

