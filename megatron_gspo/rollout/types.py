@@ -76,7 +76,9 @@ class Rollout:
     """Policy version that produced the sample: the oldest version among its tokens."""
     token_versions: list[int] | None = None
     """Weight version that sampled each response token (same length as response_ids), for a sample generated
-    across weight updates (partial rollouts); None: every token is `weight_version`'s."""
+    across weight updates (partial rollouts, or a multi-turn trajectory whose turns span one); None: every token
+    is `weight_version`'s. A multi-turn trajectory's environment tokens carry the version of the model turn after
+    them, whose prefill ran the forward that scored them, so `route_versions` holds for stitched routes too."""
     extra: dict = field(default_factory=dict)
     """Engine-specific details (e.g. server URL)."""
     loss_mask: list[int] | None = None

@@ -11,8 +11,16 @@ turn's generation is capped by what is left); a trajectory cut by either ends wi
 reward its environment gave so far. An environment that raises, hangs or returns garbage fails its sample: reward
 0, no token of it trained on (loss mask all 0), `extra['env_error']` says why, one warning line in the log.
 
-Routed experts (R3): the last turn's generation is a prefill of the whole trajectory so far plus that turn, so its
-record covers every input position of the trajectory, recorded under one weight version.
+Routed experts (R3), per turn: row r of a trajectory's `routed_experts` is the routing of the forward whose logits
+scored the token at position r + 1, taken from the turn that first computed that forward. Turn k's record covers
+rows [0, len(its prompt) + len(its tokens) - 1); the rows before `start_k` (= the previous turn's end) were already
+taken from earlier turns, so only its delta [start_k, end_k) is kept: its prefill rows of the environment's tokens
+(and of the previous turn's last sampled token, never fed before) and the rows that sampled its own tokens. The
+prefix is never taken from a later turn, whose prefill recomputed it under newer weights if an update fell between
+turns (the bug of verl #6054). Each environment token carries the version of the model turn after it (the forward
+that scored it ran there), so `Rollout.route_versions` gives every stitched row its version, and within a turn the
+engine's own per-row versions (partial rollouts) carry over. `extra['route_turns']` lists each turn's
+(start row, end row, oldest version) so a replay or a resumed episode can check the stitching.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from megatron_gspo.rollout.multiturn.config import MultiTurnConfig
 from megatron_gspo.rollout.multiturn.environment import EnvFailure, call_all, checked_reset, checked_step
@@ -44,9 +54,11 @@ class _Trajectory:
     finish: str = "stop"
     done: bool = False
     error: str | None = None
-    routed: Any = None
     versions: list[int] = field(default_factory=list)
     turn_start: int = 0
+    token_versions: list[int] = field(default_factory=list)
+    route_rows: list[Any] | None = field(default_factory=list)
+    route_turns: list[tuple[int, int, int]] = field(default_factory=list)
 
     def fail(self, what: str, err: Exception) -> None:
         self.error, self.done = f"{what}: {err}", True
@@ -118,13 +130,34 @@ class MultiTurnRollouts:
                 self._append_turn(t, out)
 
     def _append_turn(self, t: _Trajectory, out: Rollout) -> None:
+        versions = out.versions
+        # The environment's tokens since the last turn were first scored by this turn's first forward.
+        t.token_versions += [versions[0] if versions else out.weight_version] * (len(t.ids) - len(t.token_versions))
+        self._append_routes(t, out)
         t.turn_start = len(t.ids)
         t.ids += out.response_ids
         t.logprobs += list(out.logprobs)
+        t.token_versions += versions
         t.mask += [1] * len(out.response_ids)
         t.turns += 1
-        t.finish, t.routed = out.finish_reason, out.routed_experts
+        t.finish = out.finish_reason
         t.versions.append(out.weight_version)
+
+    @staticmethod
+    def _append_routes(t: _Trajectory, out: Rollout) -> None:
+        """This turn's delta of route rows (module docstring): [rows stitched so far, its record's end)."""
+        if t.route_rows is None:
+            return
+        if out.routed_experts is None:  # an engine without routes for some turn: no record for the trajectory
+            t.route_rows = None
+            return
+        start = t.route_turns[-1][1] if t.route_turns else 0
+        end = len(t.prompt) + len(t.ids) + len(out.response_ids) - 1
+        if out.routed_experts.shape[0] != end:
+            raise ValueError(f"the engine returned {out.routed_experts.shape[0]} route rows for a turn of "
+                             f"{len(t.prompt) + len(t.ids)} + {len(out.response_ids)} tokens, expected {end}")
+        t.route_rows.append(out.routed_experts[start:end])
+        t.route_turns.append((start, end, out.weight_version))
 
     def _step(self, trajs: list[_Trajectory], last_turn: bool) -> None:
         """The model's last turn of each trajectory to its environment; its observation appended, unless the episode
@@ -166,8 +199,15 @@ class MultiTurnRollouts:
             extra = {"turns": t.turns, "tool_calls": t.tool_calls, "env_reward": 0.0 if t.error else t.reward}
             if t.error is not None:
                 extra["env_error"] = t.error
+            routed = None
+            if t.route_rows:
+                routed = torch.cat(t.route_rows)
+                extra["route_turns"] = list(t.route_turns)
+            versions = t.token_versions
             out.append(Rollout(prompt_ids=t.prompt, response_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
-                               prompt_index=t.group, routed_experts=t.routed, weight_version=min(t.versions),
+                               prompt_index=t.group, routed_experts=routed,
+                               weight_version=min(versions) if versions else min(t.versions),
+                               token_versions=list(versions) if len(set(versions)) > 1 else None,
                                extra=extra, loss_mask=mask))
         n = max(1, len(out))
         self.last_metrics = {

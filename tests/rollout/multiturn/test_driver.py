@@ -191,7 +191,7 @@ def test_token_ids_end_to_end_across_turns(result):
         forced = result["forced"][k]
         torch.testing.assert_close(forced[mask], torch.tensor(r["logprobs"], dtype=torch.float64)[mask],
                                    atol=2e-4, rtol=0)
-        # R3: the last turn's routes cover every input position of the trajectory.
+        # R3: the turns' stitched routes cover every input position of the trajectory.
         assert r["routed"].shape[0] == len(r["prompt_ids"]) + len(r["response_ids"]) - 1
     assert multi >= 2, "too few multi-turn trajectories to test anything; change the seed"
     assert result["metrics"]["multiturn_tool_call_rate"] > 0
