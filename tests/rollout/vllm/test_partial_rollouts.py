@@ -271,3 +271,56 @@ def test_route_store_keeps_the_rows_that_sampled_tokens():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert rows == {"sampled": [1, 1, 1, 1, 1, 1, 2], "chunked": [2] * 8}
+
+
+def test_multi_turn_routes_stitched_per_turn_across_weight_updates_between_turns(server, models):
+    """Per-turn R3 through vLLM (issue 28): 3-turn trajectories with a weight sync before every turn (versions
+    alternate the two checkpoints). Every stitched row pairs with the version of its turn (environment tokens: the
+    turn after them), and every model token's log-prob is its own version's; the last turn's record for every
+    row (its prefill recomputed the prefix under the newest weights) fails the pairing."""
+    from megatron_gspo.data import CharTokenizer, PromptItem
+    from megatron_gspo.rollout.multiturn import MultiTurnConfig, MultiTurnRollouts
+    from megatron_gspo.rollout.types import SamplingParams
+    from tests.rollout.multiturn.envs import DigitsEnv
+
+    config, dirs = models
+    by_version: dict[int, Path] = {}
+    records: list = []
+
+    class SyncingEngine:
+        weight_version = server.weight_version
+
+        def generate(self, prompts, sampling):
+            directory = dirs[len(by_version) % 2]
+            server._exporter = lambda chunks: _checkpoint_tensors(directory)
+            server.update_weights([], version=server.weight_version + 1)
+            by_version[server.weight_version] = directory
+            outs = server.generate(prompts, sampling)
+            records.extend(outs)
+            return outs
+
+    tok = CharTokenizer()
+    items = [PromptItem("12+34=", "46"), PromptItem("5+7=", "12")]
+    mt = MultiTurnRollouts(SyncingEngine(), tok, DigitsEnv, MultiTurnConfig(env="digits", max_turns=3,
+                                                                              max_total_tokens=40))
+    rollouts = mt.generate(items, [tok.encode(it.prompt) for it in items],
+                           SamplingParams(max_new_tokens=8, temperature=1.0, n=3, seed=3))
+    k = config.num_experts_per_tok
+    spanning = 0
+    for i, r in enumerate(rollouts):
+        refs = {v: _reference(by_version[v], r, k) for v in set(r.route_versions)}
+        assert r.routed_experts.shape[0] == len(r.route_versions)
+        assert _pairing_errors(r, r.route_versions, {v: ref[1] for v, ref in refs.items()}) == [], i
+        own = torch.stack([refs[v][0][t] for t, v in enumerate(r.versions)])
+        mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+        assert (torch.tensor(r.logprobs) - own)[mask].abs().max() < 1e-4, i
+        if r.extra["turns"] > 1:
+            spanning += 1
+            newest = max(r.route_versions)
+            ids = r.prompt_ids + r.response_ids
+            last = [o for o in records if o.prompt_ids + o.response_ids == ids][0]
+            wrong = _pairing_errors(last, r.route_versions, {v: ref[1] for v, ref in refs.items()})
+            assert wrong and all(r.route_versions[row] < newest for row in wrong), (i, wrong[:5])
+            print(f"trajectory {i}: route turns {r.extra['route_turns']}; the last turn's record is wrong on "
+                  f"{len(wrong)} rows of earlier versions")
+    assert spanning >= 2, "too few multi-turn trajectories to test anything; change the seed"
