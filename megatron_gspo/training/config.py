@@ -283,7 +283,14 @@ class RunConfig:
                 f"moe.drift_sample_sequences={drift_rows} must be a multiple of trainer.micro_batch_size="
                 f"{t.micro_batch_size} (or at most it), or set trainer.max_tokens_per_micro_batch"
             )
-        r = self.rollout
+        r, p = self.rollout, self.parallel
+        if r.mode != "sync" and p.tp * p.pp * p.cp > 1:  # training/producer.py: no collectives in its thread
+            raise ValueError(f"rollout.mode={r.mode} needs parallel.tp=parallel.pp=parallel.cp=1: a model replica "
+                             "over several ranks receives its rollouts by broadcast, a collective the producer "
+                             "thread must not run beside training; set rollout.mode=sync")
+        if r.mode != "sync" and self.sglang.get("colocated", False):
+            raise ValueError(f"rollout.mode={r.mode} cannot run with sglang.colocated=true (the servers and the "
+                             "update share the GPU memory in turns); set rollout.mode=sync or sglang.colocated=false")
         if r.engine == "vllm" and r.old_logprobs == "engine":
             mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
             problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)

@@ -96,18 +96,6 @@ def topup_needs(rt, need: int) -> list[int]:
     return every.tolist()
 
 
-def check_ahead(cfg, *, colocated: bool) -> None:
-    """Refuses, in one line naming the setting, a run that cannot produce rollouts ahead (ValueError)."""
-    r, p = cfg.rollout, cfg.parallel
-    if r.mode != "sync" and p.tp * p.pp * p.cp > 1:
-        raise ValueError(f"rollout.mode={r.mode} needs parallel.tp=parallel.pp=parallel.cp=1: a model replica over "
-                         "several ranks receives its rollouts by broadcast, a collective the producer thread must "
-                         "not run beside training; set rollout.mode=sync")
-    if r.mode != "sync" and colocated:
-        raise ValueError(f"rollout.mode={r.mode} cannot run with sglang.colocated=true (the servers and the update "
-                         "share the GPU memory in turns); set rollout.mode=sync or sglang.colocated=false")
-
-
 def produce_batch(trainer, scorer, index: int, items: list[PromptItem]) -> BatchResult:
     """Batch `index` of the global prompt order, in the producer thread: this rank's shard, generated with the
     seed synchronous RL uses at step `index` (GSPOTrainer.produce, round 0), scored. No collectives."""
@@ -163,8 +151,8 @@ class RolloutProducer:
         self._turns = 0
         self._stop = False
         self._error: BaseException | None = None
-        self._times = {"producer_busy_s": 0.0, "producer_idle_s": 0.0, "wait_for_producer_s": 0.0,
-                       "sync_waited_s": 0.0}
+        self._times = {"time_producer_busy": 0.0, "time_producer_idle": 0.0, "time_wait_producer": 0.0,
+                       "time_sync_wait": 0.0}
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -180,7 +168,7 @@ class RolloutProducer:
                     t0 = time.monotonic()
                     while not (self._stop or self._may_start()):
                         self._cond.wait()
-                    self._times["producer_idle_s"] += time.monotonic() - t0
+                    self._times["time_producer_idle"] += time.monotonic() - t0
                     if self._stop:
                         return
                     index, self._generating = self._next, True
@@ -191,7 +179,7 @@ class RolloutProducer:
                 finally:
                     with self._cond:
                         self._generating = False
-                        self._times["producer_busy_s"] += time.monotonic() - t0
+                        self._times["time_producer_busy"] += time.monotonic() - t0
                         self._cond.notify_all()
                 with self._cond:
                     self._ready[index] = result
@@ -213,7 +201,7 @@ class RolloutProducer:
             t0 = time.monotonic()
             while index not in self._ready and self._error is None and self._thread.is_alive():
                 self._cond.wait(timeout=1.0)
-            self._times["wait_for_producer_s"] += time.monotonic() - t0
+            self._times["time_wait_producer"] += time.monotonic() - t0
             self._raise_error()
             if index not in self._ready:
                 raise RuntimeError(f"the rollout producer stopped before batch {index}")
@@ -233,7 +221,7 @@ class RolloutProducer:
             t0 = time.monotonic()
             while self._generating and self._error is None:
                 self._cond.wait(timeout=1.0)
-            self._times["sync_waited_s"] += time.monotonic() - t0
+            self._times["time_sync_wait"] += time.monotonic() - t0
         synced = False
         try:
             yield

@@ -112,7 +112,6 @@ class GSPOTrainer:
         self.groups_per_rank = t.prompts_per_step // self.rt.dp.size
         self.ahead: producer.AheadStage | None = None  # one_step_off / async: the producer, started by train()
         self.rollout_batches = 0  # prompt batches taken (the producer's batch index; training/producer.py)
-        producer.check_ahead(cfg, colocated=self._colocated)
         self.history: list[dict] = []
         self.summary: dict = {}
         self.stop_signals = StopSignals()

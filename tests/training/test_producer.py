@@ -124,7 +124,7 @@ def test_a_weight_sync_waits_for_the_producers_call_and_holds_the_next():
         producer.batch(1)
         assert engine.started[:2] == [(0, 0), (1, 1)]  # batch 1 was held until the sync was done
         times = producer.take_times()
-        assert times["sync_waited_s"] >= 0.09 and times["producer_busy_s"] >= 0.09
+        assert times["time_sync_wait"] >= 0.09 and times["time_producer_busy"] >= 0.09
     finally:
         producer.close()
 
