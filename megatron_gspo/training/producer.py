@@ -298,7 +298,8 @@ class AheadStage:
             stats = merge_stats(stats, more_stats)
         taken = buffer.take(self.want, version)
         taken.dropped += len(buffer)  # informative groups left over: dropped, the prompts consumed stay a prefix
-        return taken, {**stats, **self.producer.take_times(), "topup_rounds": float(rounds)}
+        return taken, {**stats, **self.producer.take_times(), "topup_rounds": float(rounds),
+                       "rollout_batches": float(self.taken)}
 
     def close(self) -> None:
         self.producer.close()
