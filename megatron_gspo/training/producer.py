@@ -1,4 +1,5 @@
-"""The rollout stage run ahead of training (`rollout.mode: one_step_off | async`; DESIGN.md "The loop as stages").
+"""The rollout stage: synchronous (`produce_groups`) and run ahead of training (`rollout.mode: one_step_off |
+async`; DESIGN.md "The loop as stages").
 
 A producer thread in the trainer process generates and scores whole prompt batches while the main thread trains;
 the servers are separate processes, so generation really overlaps the update. Batch p is the p-th batch of the
@@ -94,6 +95,38 @@ def topup_needs(rt, need: int) -> list[int]:
     every = torch.empty(rt.dp.size, dtype=torch.long, device=rt.device)
     dist.all_gather_into_tensor(every, mine, group=ps.get_data_parallel_group())
     return every.tolist()
+
+
+def produce_groups(trainer, step_seed: int) -> tuple[list[RolloutGroup], dict]:
+    """The synchronous rollout stage of a GSPOTrainer (its `produce`): generate -> score, with dynamic sampling
+    (top up until this rank holds as many groups with reward variance as a batch needs, at most
+    rollout.max_topup_rounds times). Groups carry the weight version the engine reports for them (synchronous:
+    the current step, the engine was synced after the last update).
+
+    Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
+    and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
+    sampler, so no prompt is used twice or skipped and every rank's sampler stays the checkpointed one.
+    """
+    r, rt = trainer.cfg.rollout, trainer.rt
+    extra = rt.shard(next(trainer.sampler))
+    want = len(extra)
+    groups: list[RolloutGroup] = []
+    errors, rounds = 0.0, 0
+    while True:
+        if extra:
+            rollouts = trainer.generate(extra, step_seed + 7919 * rounds)
+            rewards = trainer.score(extra, rollouts)
+            errors += float(trainer.scorer.last_metrics.get("reward_errors", 0.0))
+            groups += scored_groups(extra, rollouts, rewards)
+        if not r.dynamic_sampling or rounds == r.max_topup_rounds:
+            break
+        needs = topup_needs(rt, want - sum(x.informative for x in groups))
+        if not any(needs):
+            break
+        rounds += 1
+        extra = topup_items(trainer.sampler, needs, rt.dp.rank)
+    # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics).
+    return groups, {"reward_errors": errors, "topup_rounds": float(rounds)}
 
 
 def produce_batch(trainer, scorer, index: int, items: list[PromptItem]) -> BatchResult:

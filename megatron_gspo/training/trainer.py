@@ -229,35 +229,8 @@ class GSPOTrainer:
         return self.assemble(taken, stats)
 
     def produce(self, step_seed: int) -> tuple[list[RolloutGroup], dict]:
-        """The rollout stage: generate -> score, with dynamic sampling (top up until this rank holds as many groups
-        with reward variance as a batch needs, at most rollout.max_topup_rounds times). Groups carry the weight
-        version the engine reports for them (synchronous: the current step, the engine was synced after the last
-        update).
-
-        Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
-        and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
-        sampler, so no prompt is used twice or skipped and every rank's sampler stays the checkpointed one.
-        """
-        r = self.cfg.rollout
-        extra = self.rt.shard(next(self.sampler))
-        want = len(extra)
-        groups: list[RolloutGroup] = []
-        errors, rounds = 0.0, 0
-        while True:
-            if extra:
-                rollouts = self.generate(extra, step_seed + 7919 * rounds)
-                rewards = self.score(extra, rollouts)
-                errors += float(self.scorer.last_metrics.get("reward_errors", 0.0))
-                groups += producer.scored_groups(extra, rollouts, rewards)
-            if not r.dynamic_sampling or rounds == r.max_topup_rounds:
-                break
-            needs = producer.topup_needs(self.rt, want - sum(x.informative for x in groups))
-            if not any(needs):
-                break
-            rounds += 1
-            extra = producer.topup_items(self.sampler, needs, self.rt.dp.rank)
-        # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics).
-        return groups, {"reward_errors": errors, "topup_rounds": float(rounds)}
+        """The synchronous rollout stage: generate -> score, with dynamic sampling (`producer.produce_groups`)."""
+        return producer.produce_groups(self, step_seed)
 
     def assemble(self, taken: Taken, produced_stats: dict) -> tuple[RolloutBatch, dict]:
         """The training stage's rollout batch from the buffer's groups: minibatch order, advantages (Eq. 6),
