@@ -10,7 +10,7 @@ from the end of its first step (vLLM's warm-up and the first evaluation left out
 logged by then is what it achieved. Rounds alternate the order of the modes (a slow phase of the shared machine
 hits every mode), seeds repeat the set. Reported per mode, mean over seeds and rounds (min..max):
 response tokens/s, RL steps/s, the reward of the last 3 steps within the budget, and CPU seconds (trainer
-process + server) beside wall seconds; then each mode's ratios to sync measured in the same run.
+process + server, within the budget) beside wall seconds; then each mode's ratios to sync measured in the same run.
 
 The machine's load is printed first (`uptime`): figures from a loaded machine are marked as such.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import socket
 import statistics
@@ -75,7 +74,8 @@ def _free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process and its waited-for children (the server's engine core runs in one)."""
+    """utime + stime of a process (all its threads) and of its descendants (the server's engine core runs in
+    one)."""
     total = 0.0
     for p in [pid, *_descendants(pid)]:
         try:
@@ -99,10 +99,9 @@ def run(mode: str, seed: int, url: str, budget_s: float, run_dir: Path, server_p
            *COMMON, f"vllm.urls=[{url}]", f"trainer.seed={seed}", f"trainer.run_dir={out}", *MODES[mode]]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    before_children = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    metrics, arrivals, t0, server0 = out / "metrics.jsonl", {}, None, None
+    metrics, arrivals, t0, server0, trainer0 = out / "metrics.jsonl", {}, None, 0.0, 0.0
     while proc.poll() is None:
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x] if metrics.exists() else []
         now = time.monotonic()
@@ -110,7 +109,7 @@ def run(mode: str, seed: int, url: str, budget_s: float, run_dir: Path, server_p
             if r["step"] not in arrivals:
                 arrivals[r["step"]] = (now, r)
                 if r["step"] == 1:
-                    t0, server0 = now, cpu_seconds(server_pid)
+                    t0, server0, trainer0 = now, cpu_seconds(server_pid), cpu_seconds(proc.pid)
         if t0 is not None and now - t0 >= budget_s:
             break
         time.sleep(0.05)
@@ -118,11 +117,9 @@ def run(mode: str, seed: int, url: str, budget_s: float, run_dir: Path, server_p
         raise RuntimeError(f"{mode} seed {seed} ended early: {proc.stderr.read()[-2000:]}")
     wall = time.monotonic() - t0
     server_cpu = cpu_seconds(server_pid) - server0
+    trainer_cpu = cpu_seconds(proc.pid) - trainer0  # with its threads and child processes
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    trainer_cpu = (after_children.ru_utime + after_children.ru_stime) - (before_children.ru_utime
-                                                                          + before_children.ru_stime)
     steps = sorted(s for s in arrivals if s > 1)
     per_step = 16 * 4  # prompts_per_step x group_size
     tokens = sum(arrivals[s][1]["response_length"] * per_step for s in steps)
@@ -160,11 +157,11 @@ def main() -> None:
         engine.close()
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     keys = ("tokens_per_s", "steps_per_s", "reward", "cpu_s", "wall_s", "staleness", "response_length")
-    print(f"\n{'mode':<13}" + "".join(f"{k:>22}" for k in keys))
+    print(f"\n{'mode':<13}" + "".join(f"{k:>26}" for k in keys))
     for mode, rs in results.items():
         cells = [f"{statistics.mean(x[k] for x in rs):.3g} ({min(x[k] for x in rs):.3g}..{max(x[k] for x in rs):.3g})"
                  for k in keys]
-        print(f"{mode:<13}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{mode:<13}" + "".join(f"{c:>26}" for c in cells))
     if "sync" in results:
         base = {k: statistics.mean(x[k] for x in results["sync"]) for k in ("tokens_per_s", "steps_per_s")}
         for mode, rs in results.items():

@@ -528,6 +528,8 @@ class GSPOTrainer:
                 self.summary["wall_seconds"] = wall_before + time.time() - start_time
                 self.checkpoint(background=True)
         bar.close()
+        if self.ahead is not None:  # nothing more to produce: the final evaluation need not wait for a batch
+            self.ahead.close()
         after = self.evaluate()
         self.logger.log_eval(self.step, after)
         self.summary.update(
