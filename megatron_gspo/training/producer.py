@@ -154,6 +154,7 @@ def ahead_stage(trainer) -> AheadStage:
         lookahead=1 if r.mode == "one_step_off" else r.max_staleness,
         ahead=r.engine != "local",  # the in-process engine samples from the training model: on demand only
         immediate_sync=r.mode == "async" and bool(getattr(rt.engine, "supports_partial_rollouts", False)),
+        barrier=dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None,
     )
     return AheadStage(
         producer, trainer.sampler, taken=trainer.rollout_batches, want=trainer.groups_per_rank,
@@ -168,7 +169,7 @@ class RolloutProducer:
 
     def __init__(self, produce: Callable[[int, list[PromptItem]], BatchResult], sampler: PromptSampler, *,
                  first: int, version: int, lookahead: int, ahead: bool = True, immediate_sync: bool = False,
-                 close_timeout_s: float = 30.0):
+                 barrier: Callable[[], None] | None = None, close_timeout_s: float = 30.0):
         self._produce = produce
         self._sampler = sampler
         self._next = first
@@ -177,6 +178,7 @@ class RolloutProducer:
         self.lookahead = lookahead
         self.ahead = ahead
         self.immediate_sync = immediate_sync
+        self.barrier = barrier
         self.close_timeout_s = close_timeout_s
         self._ready: dict[int, BatchResult] = {}
         self._cond = threading.Condition()
@@ -257,6 +259,14 @@ class RolloutProducer:
             self._times["time_sync_wait"] += time.monotonic() - t0
         synced = False
         try:
+            if version is not None and self.barrier is not None:
+                # Data-parallel ranks share the servers: the leader's push aborts every request on them, so every
+                # rank's producer must be between calls first (a follower's retried sample would come back newer
+                # than its engine's version). A collective of the main thread.
+                t0 = time.monotonic()
+                self.barrier()
+                with self._cond:
+                    self._times["time_sync_wait"] += time.monotonic() - t0
             yield
             synced = version is not None
         finally:
