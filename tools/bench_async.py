@@ -10,7 +10,9 @@ from the end of its first step (vLLM's warm-up and the first evaluation left out
 logged by then is what it achieved. Rounds alternate the order of the modes (a slow phase of the shared machine
 hits every mode), seeds repeat the set. Reported per mode, mean over seeds and rounds (min..max):
 response tokens/s, RL steps/s, the reward of the last 3 steps within the budget, and CPU seconds (trainer
-process + server, within the budget) beside wall seconds; then each mode's ratios to sync measured in the same run.
+process + server, within the budget) beside wall seconds, and response tokens per CPU second (on a machine shared
+with other jobs the CPU a run gets varies, this less so); then each mode's ratios to sync measured in the same
+run.
 
 The machine's load is printed first (`uptime`): figures from a loaded machine are marked as such.
 """
@@ -125,6 +127,7 @@ def run(mode: str, seed: int, url: str, budget_s: float, run_dir: Path, server_p
     tokens = sum(arrivals[s][1]["response_length"] * per_step for s in steps)
     last = [arrivals[s][1]["reward_mean"] for s in steps[-3:]] or [arrivals[1][1]["reward_mean"]]
     return {"tokens_per_s": tokens / wall, "steps_per_s": len(steps) / wall, "reward": statistics.mean(last),
+            "tokens_per_cpu_s": tokens / max(trainer_cpu + server_cpu, 1e-9),
             "wall_s": wall, "cpu_s": trainer_cpu + server_cpu, "trainer_cpu_s": trainer_cpu,
             "server_cpu_s": server_cpu, "steps": len(steps),
             "staleness": statistics.mean(arrivals[s][1].get("staleness_mean", 0.0) for s in steps) if steps else 0,
@@ -156,18 +159,20 @@ def main() -> None:
     finally:
         engine.close()
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    keys = ("tokens_per_s", "steps_per_s", "reward", "cpu_s", "wall_s", "staleness", "response_length")
+    keys = ("tokens_per_s", "steps_per_s", "reward", "cpu_s", "wall_s", "tokens_per_cpu_s", "staleness",
+            "response_length")
     print(f"\n{'mode':<13}" + "".join(f"{k:>26}" for k in keys))
     for mode, rs in results.items():
         cells = [f"{statistics.mean(x[k] for x in rs):.3g} ({min(x[k] for x in rs):.3g}..{max(x[k] for x in rs):.3g})"
                  for k in keys]
         print(f"{mode:<13}" + "".join(f"{c:>26}" for c in cells))
     if "sync" in results:
-        base = {k: statistics.mean(x[k] for x in results["sync"]) for k in ("tokens_per_s", "steps_per_s")}
+        ratio_keys = ("tokens_per_s", "steps_per_s", "tokens_per_cpu_s")
+        base = {k: statistics.mean(x[k] for x in results["sync"]) for k in ratio_keys}
         for mode, rs in results.items():
             ratios = {k: statistics.mean(x[k] for x in rs) / base[k] for k in base}
             print(f"{mode} / sync: response tokens/s x{ratios['tokens_per_s']:.2f}, RL steps/s "
-                  f"x{ratios['steps_per_s']:.2f}")
+                  f"x{ratios['steps_per_s']:.2f}, response tokens per CPU second x{ratios['tokens_per_cpu_s']:.2f}")
 
 
 if __name__ == "__main__":
