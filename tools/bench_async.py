@@ -6,8 +6,8 @@ One vLLM server (the tiny Qwen3-MoE, .venv-vllm) serves every run; each run is a
 that attaches to it (pushing its own initial weights first) and trains examples/tiny_moe_gspo.yaml on the
 `count2` task (count from a to b: answers of 17 to 254 characters, so a synchronous step waits for its longest
 answer) with the `prefix_match` reward and up to 256 response tokens. Each run gets the same wall budget, counted
-from the end of its first step (vLLM's warm-up and the first evaluation left out) and is then killed; what it
-logged by then is what it achieved. Rounds alternate the order of the modes (a slow phase of the shared machine
+from the end of its first step (vLLM's warm-up and the first evaluation left out) and is then stopped (SIGTERM);
+what it logged by then is what it achieved. Rounds alternate the order of the modes (a slow phase of the shared machine
 hits every mode), seeds repeat the set. Reported per mode, mean over seeds and rounds (min..max):
 response tokens/s, RL steps/s, the reward of the last 3 steps within the budget, and CPU seconds (trainer
 process + server, within the budget) beside wall seconds, and response tokens per CPU second (on a machine shared
@@ -120,8 +120,14 @@ def run(mode: str, seed: int, url: str, budget_s: float, run_dir: Path, server_p
     wall = time.monotonic() - t0
     server_cpu = cpu_seconds(server_pid) - server0
     trainer_cpu = cpu_seconds(proc.pid) - trainer0  # with its threads and child processes
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # SIGTERM, not SIGKILL: a trainer killed inside a weight update leaves the shared server mid-update (the next
+    # run's /start_weight_update is refused); stopped, it finishes its step (after the budget: not counted).
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     steps = sorted(s for s in arrivals if s > 1)
     per_step = 16 * 4  # prompts_per_step x group_size
     tokens = sum(arrivals[s][1]["response_length"] * per_step for s in steps)
