@@ -213,7 +213,73 @@ class ChainTask:
         raise ValueError(f"task {self.name}: could not draw {size} distinct {split} prompts; lower the size")
 
 
-TASKS: dict[str, Callable[..., ArithmeticTask | ChainTask]] = {
+@dataclass(frozen=True)
+class CountTask:
+    """Count from a to b: `07-23=` -> `07+08+...+23`, with b - a + 1 between `min_terms` and `max_terms`, so the
+    answer length varies by prompt (count2: 17 to 254 characters, uniform over the number of terms): the
+    length-skewed task of the asynchronous-RL benchmark (tools/bench_async.py), where a synchronous step waits
+    for its longest answer."""
+
+    digits: int = 2
+    """Width of every number (zero-padded)."""
+    min_terms: int = 6
+    """Fewest numbers in an answer."""
+    max_terms: int = 85
+    """Most numbers in an answer (<= 10**digits)."""
+    seed: int = 0
+    """Seed of the prompt order; the split of a prompt does not depend on it."""
+    heldout_fraction: float = 0.1
+    """Share of all prompts that belongs to the heldout split."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_terms <= self.max_terms <= 10**self.digits:
+            raise ValueError(f"count task terms {self.min_terms}..{self.max_terms} must satisfy 2 <= min_terms <= "
+                             f"max_terms <= {10**self.digits}")
+
+    op = "-"  # class attribute: the prompt's range sign
+
+    @property
+    def name(self) -> str:
+        """Short name such as 'count2'."""
+        return f"count{self.digits}"
+
+    @property
+    def alphabet(self) -> str:
+        """Every character a prompt or an answer of this task can contain."""
+        return "0123456789+-="
+
+    def prompt(self, a: int, b: int) -> str:
+        return f"{a:0{self.digits}d}-{b:0{self.digits}d}="
+
+    def answer(self, a: int, b: int) -> str:
+        return "+".join(f"{x:0{self.digits}d}" for x in range(a, b + 1))
+
+    def split_of(self, prompt: str) -> str:
+        """'train' or 'heldout': a fixed function of the prompt text."""
+        return _split_of(prompt, self.heldout_fraction)
+
+    def items(self, split: str, size: int) -> list[PromptItem]:
+        """`size` distinct prompts of `split` in seeded order: the number of terms uniform over min..max, then
+        the start uniform over what fits; a larger size extends a smaller one."""
+        _check_request(split, size)
+        rng = random.Random(f"{self.name}/{self.seed}/{split}")
+        top = 10**self.digits
+        seen: set[tuple[int, int]] = set()
+        items: list[PromptItem] = []
+        for _ in range(50 * size + 1000):
+            terms = rng.randint(self.min_terms, self.max_terms)
+            a = rng.randrange(top - terms + 1)
+            b = a + terms - 1
+            if (a, b) in seen or self.split_of(self.prompt(a, b)) != split:
+                continue
+            seen.add((a, b))
+            items.append(PromptItem(self.prompt(a, b), self.answer(a, b), {"task": self.name, "split": split}))
+            if len(items) == size:
+                return items
+        raise ValueError(f"task {self.name}: could not draw {size} distinct {split} prompts; lower the size")
+
+
+TASKS: dict[str, Callable[..., ArithmeticTask | ChainTask | CountTask]] = {
     "add2": partial(ArithmeticTask, digits=2, op="+"),
     "add3": partial(ArithmeticTask, digits=3, op="+"),
     "add4": partial(ArithmeticTask, digits=4, op="+"),
@@ -222,11 +288,12 @@ TASKS: dict[str, Callable[..., ArithmeticTask | ChainTask]] = {
     "chain3x2": partial(ChainTask, terms=3, digits=2),
     "chain4x2": partial(ChainTask, terms=4, digits=2),
     "chain3x3": partial(ChainTask, terms=3, digits=3),
+    "count2": partial(CountTask, digits=2),
 }
 """Registered task variants by difficulty; each factory takes `seed=`."""
 
 
-def make_task(name: str, seed: int = 0) -> ArithmeticTask | ChainTask:
+def make_task(name: str, seed: int = 0) -> ArithmeticTask | ChainTask | CountTask:
     """The registered task `name` (see TASKS) with prompt order `seed`."""
     factory = TASKS.get(name)
     if factory is None:

@@ -15,7 +15,7 @@ from megatron_gspo.algorithms import CORRECTION_METRICS, combine_metrics, has_st
 _BAR_KEYS = ("reward_mean", "clip_frac_low_tok", "clip_frac_high_tok")
 
 
-ROLLOUT_COUNTS = ("groups_dropped", "groups_zero_variance_kept", "reward_errors")
+ROLLOUT_COUNTS = ("groups_dropped", "groups_zero_variance_kept", "groups_stale", "reward_errors")
 """Rollout statistics that are counts: summed over data-parallel replicas (the others are means over equal shares)."""
 
 

@@ -17,6 +17,18 @@ def exact_match(response: str, answer: str, meta: dict) -> float:
     return float(response.strip() == answer.strip())
 
 
+@register_reward("prefix_match")
+def prefix_match(response: str, answer: str, meta: dict) -> float:
+    """Partial credit for long answers: the share of the answer's characters the response gets right before its
+    first mistake, times the length ratio min(1, len(answer) / len(response)) (running on past the answer costs
+    as much as stopping short). 1.0 exactly when the response equals the answer (whitespace stripped)."""
+    response, answer = response.strip(), answer.strip()
+    if not answer:
+        return float(not response)
+    matched = next((i for i, (r, a) in enumerate(zip(response, answer)) if r != a), min(len(response), len(answer)))
+    return matched / len(answer) * min(1.0, len(answer) / max(len(response), 1))
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` in `text` (nested braces kept), or None when there is none or it is
     not closed."""

@@ -196,6 +196,14 @@ class RewardScorer:
         self._window = [0, 0, None]
         return calls, errors, first
 
+    def add_window(self, calls: int, errors: int, first: str | None) -> None:
+        """Counts another scorer's window in this one's (the rollout producer scores with a `sharing()` scorer in
+        its own thread; the training stage adds each batch's window when it takes the batch)."""
+        self._window[0] += calls
+        self._window[1] += errors
+        if self._window[2] is None:
+            self._window[2] = first
+
     def close(self) -> None:
         """Stops the worker processes this scorer started (a `sharing()` scorer leaves them to their owner)."""
         if self._owns_pool and self.pool is not None:

@@ -90,6 +90,13 @@ class RolloutConfig:
     """Extra generation rounds allowed per step when dynamic sampling tops up."""
     correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance correction between training and rollout engine log-probs."""
+    mode: str = "sync"
+    """sync (generate, then train: the reference) | one_step_off (batch s+1 is generated while step s trains,
+    weight syncs between generate calls) | async (rollouts run up to max_staleness batches ahead; an engine with
+    partial rollouts takes weight syncs mid-call). training/producer.py."""
+    max_staleness: int = 1
+    """Weight versions a rollout may lag the weights that train on it (one_step_off: >= 1; async: how many batches
+    the producer runs ahead, 0 = sync's rollouts). Unused by sync (always 0)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("local", "vllm", "sglang"):
@@ -104,6 +111,18 @@ class RolloutConfig:
             raise ValueError(f"rollout.old_logprobs={self.old_logprobs!r} must be recompute or engine")
         if self.max_topup_rounds < 0:
             raise ValueError(f"rollout.max_topup_rounds={self.max_topup_rounds} must be >= 0")
+        if self.mode not in ("sync", "one_step_off", "async"):
+            raise ValueError(f"rollout.mode={self.mode!r} must be sync, one_step_off or async")
+        if type(self.max_staleness) is not int or self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness!r} must be an integer >= 0 (weight versions)")
+        if self.mode == "one_step_off" and self.max_staleness < 1:
+            raise ValueError("rollout.mode=one_step_off trains on rollouts one version old: set rollout.max_staleness"
+                             " >= 1 (or rollout.mode=async with rollout.max_staleness=0 for no lag)")
+        if self.mode != "sync" and self.engine == "local" and (self.mode != "async" or self.max_staleness):
+            # The in-process engine samples from the training model itself: it cannot generate while it trains.
+            raise ValueError(f"rollout.mode={self.mode} needs a server engine (rollout.engine=local generates with "
+                             "the training model in this process): set rollout.engine=vllm or sglang, or "
+                             "rollout.mode=sync (local supports async only with rollout.max_staleness=0)")
 
 
 @dataclass
@@ -282,7 +301,14 @@ class RunConfig:
                 f"moe.drift_sample_sequences={drift_rows} must be a multiple of trainer.micro_batch_size="
                 f"{t.micro_batch_size} (or at most it), or set trainer.max_tokens_per_micro_batch"
             )
-        r = self.rollout
+        r, p = self.rollout, self.parallel
+        if r.mode != "sync" and p.tp * p.pp * p.cp > 1:  # training/producer.py: no collectives in its thread
+            raise ValueError(f"rollout.mode={r.mode} needs parallel.tp=parallel.pp=parallel.cp=1: a model replica "
+                             "over several ranks receives its rollouts by broadcast, a collective the producer "
+                             "thread must not run beside training; set rollout.mode=sync")
+        if r.mode != "sync" and self.sglang.get("colocated", False):
+            raise ValueError(f"rollout.mode={r.mode} cannot run with sglang.colocated=true (the servers and the "
+                             "update share the GPU memory in turns); set rollout.mode=sync or sglang.colocated=false")
         if self.multiturn.enabled and self.multiturn.max_total_tokens > r.max_new_tokens:
             # A trajectory's tokens, the model's and the environment's, are trained in one sequence of
             # prompt + rollout.max_new_tokens.

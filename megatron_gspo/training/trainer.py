@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -50,7 +51,8 @@ from megatron_gspo.training.engine import (
 )
 from megatron_gspo.training.evaluate import evaluate
 from megatron_gspo.training.offload import ColocatedMemory
-from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken, group_version
+from megatron_gspo.training import producer
+from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken
 from megatron_gspo.training.routing import RoutingControl, drift_rows, drift_sample
 from megatron_gspo.training.runtime import Runtime
 from megatron_gspo.training.steps import logprob_forward_step, policy_forward_step, policy_units
@@ -107,6 +109,8 @@ class GSPOTrainer:
         # Synchronous RL: the rollout buffer with no look-ahead (training/rollout_buffer.py).
         self.buffer = RolloutBuffer()
         self.groups_per_rank = t.prompts_per_step // self.rt.dp.size
+        self.ahead: producer.AheadStage | None = None  # one_step_off / async: the producer, started by train()
+        self.rollout_batches = 0  # prompt batches taken (the producer's batch index; training/producer.py)
         self.history: list[dict] = []
         self.summary: dict = {}
         self.stop_signals = StopSignals()
@@ -133,13 +137,14 @@ class GSPOTrainer:
     def state_dict(self) -> dict:
         """Loop state saved with each checkpoint (beside model, optimizer and RNG states)."""
         return {"step": self.step, "sampler": self.sampler.state_dict(), "summary": self.summary,
-                "health": self.health.state_dict()}
+                "health": self.health.state_dict(), "rollout_batches": self.rollout_batches}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state.get("summary", {}))
         self.health.load_state_dict(state.get("health", {}))  # absent in checkpoints of older versions
+        self.rollout_batches = int(state.get("rollout_batches", self.step))
 
     # ---- resume (run directory checks, config compatibility, logs) -------------------------------------
     def _resume_point(self, resume: bool) -> tuple[Path, dict] | None:
@@ -198,7 +203,7 @@ class GSPOTrainer:
             return self.multiturn.generate(items, prompts, sampling)
         return self.rt.engine.generate(prompts, sampling)
 
-    def score(self, items: list[PromptItem], rollouts) -> torch.Tensor:
+    def score(self, items: list[PromptItem], rollouts, scorer: RewardScorer | None = None) -> torch.Tensor:
         """Rewards [n_prompts * G]; reward-function errors count as 0 and are logged; DAPO's overlong penalty added
         (loss.overlong_buffer)."""
         if self.multiturn is not None:  # the environments' rewards
@@ -207,7 +212,7 @@ class GSPOTrainer:
         responses = [self.rt.tokenizer.decode(r.response_ids) for r in rollouts]
         answers = [items[i // g].answer for i in range(len(rollouts))]
         metas = [{**items[i // g].meta, "finish_reason": r.finish_reason} for i, r in enumerate(rollouts)]
-        return self.corrections.penalize(self.scorer.score(responses, answers, metas), rollouts)
+        return self.corrections.penalize((scorer or self.scorer).score(responses, answers, metas), rollouts)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages (Eq.6)."""
@@ -215,45 +220,22 @@ class GSPOTrainer:
 
     def collect(self, step_seed: int) -> tuple[RolloutBatch, dict]:
         """One rollout batch through the rollout buffer: the rollout stage produces scored groups into it (`produce`;
-        synchronous: right before they are needed, no look-ahead), the training stage takes a batch out (`assemble`).
-        """
-        produced, stats = self.produce(step_seed)
-        self.buffer.put(produced)
-        taken = self.buffer.take(self.groups_per_rank, version=self.step)
+        synchronous: right before they are needed, no look-ahead; one_step_off / async: the producer's batches, made
+        ahead, training/producer.py), the training stage takes a batch out (`assemble`)."""
+        if self.ahead is not None:
+            taken, stats = self.ahead.take(self.step)
+            self.scorer.add_window(*stats.pop("window"))  # the step boundary's reward-failure check sees them
+            self.rollout_batches = self.ahead.taken
+        else:
+            produced, stats = self.produce(step_seed)
+            self.buffer.put(produced)
+            taken = self.buffer.take(self.groups_per_rank, version=self.step)
+            self.rollout_batches += 1
         return self.assemble(taken, stats)
 
     def produce(self, step_seed: int) -> tuple[list[RolloutGroup], dict]:
-        """The rollout stage: generate -> score, with dynamic sampling (top up until this rank holds as many groups
-        with reward variance as a batch needs, at most rollout.max_topup_rounds times). Groups carry the weight
-        version the engine reports for them (synchronous: the current step, the engine was synced after the last
-        update).
-
-        Top-ups keep one global prompt order: each round every data-parallel rank says how many groups it lacks,
-        and the ranks take consecutive slices, in rank order, of the next prompts of the (identical) global
-        sampler, so no prompt is used twice or skipped and every rank's sampler stays the checkpointed one.
-        """
-        r, g = self.cfg.rollout, self.cfg.rollout.group_size
-        extra = self.rt.shard(next(self.sampler))
-        want = len(extra)
-        groups: list[RolloutGroup] = []
-        errors, rounds = 0.0, 0
-        while True:
-            if extra:
-                rollouts = self.generate(extra, step_seed + 7919 * rounds)
-                rewards = self.score(extra, rollouts)
-                errors += float(self.scorer.last_metrics.get("reward_errors", 0.0))
-                for i, item in enumerate(extra):
-                    mine = rollouts[i * g : (i + 1) * g]
-                    groups.append(RolloutGroup(item, mine, rewards[i * g : (i + 1) * g], group_version(mine)))
-            if not r.dynamic_sampling or rounds == r.max_topup_rounds:
-                break
-            needs = self._topup_needs(want - sum(x.informative for x in groups))
-            if not any(needs):
-                break
-            rounds += 1
-            extra = self._topup_items(needs)
-        # Counts over all scoring rounds of the step (summed over data-parallel ranks in the step metrics).
-        return groups, {"reward_errors": errors, "topup_rounds": float(rounds)}
+        """The synchronous rollout stage: generate -> score, with dynamic sampling (`producer.produce_groups`)."""
+        return producer.produce_groups(self, step_seed)
 
     def assemble(self, taken: Taken, produced_stats: dict) -> tuple[RolloutBatch, dict]:
         """The training stage's rollout batch from the buffer's groups: minibatch order, advantages (Eq. 6),
@@ -281,27 +263,15 @@ class GSPOTrainer:
             # Zero-variance groups left out, zero-variance groups trained on (zero advantage), reward errors.
             "groups_dropped": float(taken.dropped),
             "groups_zero_variance_kept": float(taken.zero_variance_kept),
-            "reward_errors": produced_stats["reward_errors"],
-            "topup_rounds": produced_stats["topup_rounds"],
+            # Weight versions the batch lags the weights it trains; groups dropped as older than max_staleness.
+            "staleness_mean": sum(taken.staleness) / len(taken.staleness),
+            "staleness_max": float(max(taken.staleness)),
+            "groups_stale": float(taken.stale),
+            **produced_stats,  # reward errors, top-up rounds; async: the producer's and the trainer's waits
         }
         if self.balance_replicas:
             batch = balance_data_parallel(batch, self.cfg.trainer.minibatches, ps.get_data_parallel_group())
         return batch, stats
-
-    def _topup_needs(self, need: int) -> list[int]:
-        """How many groups each data-parallel rank lacks, in rank order, identical on every rank."""
-        if self.rt.dp.size == 1:
-            return [need]
-        mine = torch.tensor([need], dtype=torch.long, device=self.rt.device)
-        every = torch.empty(self.rt.dp.size, dtype=torch.long, device=self.rt.device)
-        dist.all_gather_into_tensor(every, mine, group=ps.get_data_parallel_group())
-        return every.tolist()
-
-    def _topup_items(self, needs: list[int]) -> list[PromptItem]:
-        """This rank's slice of the next sum(needs) prompts of the global sampler (every rank draws them all)."""
-        drawn = self.sampler.next_items(sum(needs))
-        start = sum(needs[: self.rt.dp.rank])
-        return drawn[start : start + needs[self.rt.dp.rank]]
 
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """pi_old per-token log-probs: recomputed with the training model, or the engine's (paper §5.4); then the
@@ -412,14 +382,19 @@ class GSPOTrainer:
         return self.cfg.rollout.engine == "sglang" and bool(self.cfg.sglang.get("colocated", False))
 
     def sync_weights(self) -> None:
-        """Makes the rollout engine sample from the updated policy."""
-        self.rt.sync_engine(self.step)
+        """Makes the rollout engine sample from the updated policy (after the producer's current call)."""
+        with self._engine_turn(version=self.step):
+            self.rt.sync_engine(self.step)
+
+    def _engine_turn(self, version: int | None = None):
+        return self.ahead.producer.engine_turn(version) if self.ahead else contextlib.nullcontext()
 
     def evaluate(self) -> dict:
         """Held-out avg@n / pass@k with the current weights."""
         self.watchdog.mark("evaluate")
         seed = self.cfg.trainer.seed + 1_000_003 * (self.step + 1)
-        return evaluate(self.rt, seed=seed, scorer=self.scorer.sharing(), multiturn=self.multiturn)
+        with self._engine_turn():
+            return evaluate(self.rt, seed=seed, scorer=self.scorer.sharing(), multiturn=self.multiturn)
 
     def checkpoint(self, *, background: bool = False) -> Path:
         """Writes checkpoint iter_<step> (atomic; checkpoint/manager.py) and returns its path. `background` (with
@@ -496,6 +471,8 @@ class GSPOTrainer:
             self.summary["eval_accuracy_before"] = before["eval_accuracy"]
             self.logger.log_eval(self.step, before)
             log.info("held-out accuracy before RL: %.3f", before["eval_accuracy"])
+        if self.cfg.rollout.mode != "sync" and self.ahead is None:
+            self.ahead = producer.ahead_stage(self)
         bar = self.logger.progress(t.steps, initial=self.step, enabled=t.progress)
         wall_before = float(self.summary.get("wall_seconds", 0.0))
         while self.step < t.steps:
@@ -545,6 +522,8 @@ class GSPOTrainer:
                 self.summary["wall_seconds"] = wall_before + time.time() - start_time
                 self.checkpoint(background=True)
         bar.close()
+        if self.ahead is not None:  # nothing more to produce: the final evaluation need not wait for a batch
+            self.ahead.close()
         after = self.evaluate()
         self.logger.log_eval(self.step, after)
         self.summary.update(
@@ -567,6 +546,8 @@ class GSPOTrainer:
 
     def close(self) -> None:
         stopped = getattr(self, "_stopped", False)
+        if self.ahead is not None:  # before the engine closes: the producer's batches ahead are discarded
+            self.ahead.close()
         self.ckpt.close()
         if not stopped:
             self.stop_signals.restore()

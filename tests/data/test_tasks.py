@@ -68,7 +68,7 @@ def test_bad_requests_raise_clear_errors():
     with pytest.raises(ValueError, match="op '/' is not supported"):
         ArithmeticTask(op="/")
     with pytest.raises(ValueError, match="unknown task 'add9'; known tasks: add2, add3, add4, chain3x2, chain3x3, "
-                                         "chain4x2, mul2, sub3"):
+                                         "chain4x2, count2, mul2, sub3"):
         make_task("add9")
     with pytest.raises(ValueError, match="chain terms=2 must be in 3..6"):
         ChainTask(terms=2)
@@ -101,3 +101,17 @@ def test_chain_items_are_correct_fixed_length_and_split_like_the_others(name):
     heldout = {it.prompt for it in make_task(name, seed=4).items("heldout", 200)}
     assert not heldout & {it.prompt for it in items}
     assert make_task(name, seed=3).items("train", 100) == items[:100]
+
+
+def test_count_answers_count_and_their_lengths_span_the_skew():
+    task = make_task("count2", seed=0)
+    items = task.items("train", 2000)
+    for item in items[:200]:
+        a, b = item.prompt[:-1].split("-")
+        numbers = item.answer.split("+")
+        assert [int(x) for x in numbers] == list(range(int(a), int(b) + 1))
+        assert all(len(x) == 2 for x in numbers) and 6 <= len(numbers) <= 85
+    lengths = [len(item.answer) for item in items]
+    assert min(lengths) < 30 and max(lengths) > 240  # 3 * terms - 1 characters: 17 .. 254
+    assert len({item.prompt for item in items}) == 2000
+    assert all(task.split_of(item.prompt) == "train" for item in items)

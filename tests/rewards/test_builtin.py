@@ -88,3 +88,18 @@ def test_unparseable_gold_answer_is_a_counted_error():
     scorer = RewardScorer("math_verify")
     assert scorer.score([r"\boxed{1}"], [""], [{}]).tolist() == [0.0]
     assert scorer.num_errors == 1
+
+
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("07+08+09", "07+08+09", 1.0),
+        (" 07+08+09\n", "07+08+09", 1.0),
+        ("07+08", "07+08+09", 5 / 8),  # stopped short: the right prefix counts
+        ("07+09+09", "07+08+09", 4 / 8),  # the first mistake ends the credit
+        ("07+08+09+10+11", "07+08+09", 8 / 14),  # running on: right prefix, times 8 / 14 characters
+        ("", "07", 0.0),
+    ],
+)
+def test_prefix_match_gives_partial_credit_and_one_only_for_the_answer(response, answer, expected):
+    assert get_reward("prefix_match")(response, answer, {}) == pytest.approx(expected)

@@ -158,3 +158,16 @@ def test_sharing_keeps_the_pool_and_separate_counts():
 def test_scoring_config_names_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ScoringConfig(**kwargs)
+
+
+def test_a_sharing_scorers_window_counts_in_the_owner_once_added():
+    """The rollout producer scores with a sharing scorer in its thread; the training stage adds each batch's
+    window to the trainer's scorer, whose window the step boundary checks against scoring.max_error_frac."""
+    scorer = RewardScorer(misbehaving.stringly)
+    other = scorer.sharing()
+    other.score(["a", "b"], ["a", "b"])
+    window = other.take_window()
+    assert window[:2] == (2, 2) and "stringly" in window[2]
+    scorer.add_window(1, 0, None)
+    scorer.add_window(*window)
+    assert scorer.take_window() == (3, 2, window[2])

@@ -1,0 +1,216 @@
+"""The rollout producer (training/producer.py): how far it runs ahead, weight syncs at generate-call boundaries,
+errors reaching the training stage; and the training stage's bookkeeping on 2 data-parallel ranks (gloo): every
+rank takes as many groups, no prompt twice or skipped, and a resume from the checkpointed state continues the
+same global order.
+
+The produce function here stands in for generate + score (a server engine is what runs there; tests/training/
+test_async_modes.py runs it for real): these tests are about which batch is made when, under which version."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_gspo.data.dataset import PromptSampler
+from megatron_gspo.data.types import PromptItem
+from megatron_gspo.rollout.types import Rollout
+from megatron_gspo.training.producer import AheadStage, RolloutProducer, scored_groups
+from tests.distributed import run_distributed
+
+DATA = [PromptItem(f"p{i}", "0") for i in range(400)]
+G = 2
+
+
+def _rollouts(n: int, version: int) -> list[Rollout]:
+    return [Rollout([1], [2], [0.0], "stop", weight_version=version) for _ in range(n)]
+
+
+def _rewards(items: list[PromptItem]) -> torch.Tensor:
+    """Scripted: a prompt's group varies when crc32(prompt) is odd, else it is flat."""
+    return torch.tensor([[float(zlib.crc32(it.prompt.encode()) % 2), 0.0] for it in items]).reshape(-1)
+
+
+class Engine:
+    """Records which batch started under which weight version; `gate` holds a call until released."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.version = 0
+        self.started: list[tuple[int, int]] = []
+        self.gate: threading.Event | None = None
+        self.in_call = threading.Event()
+        self.rank, self.world = rank, world
+
+    def produce(self, index: int, items: list[PromptItem]):
+        self.started.append((index, self.version))
+        self.in_call.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        per = len(items) // self.world
+        mine = items[self.rank * per : (self.rank + 1) * per]
+        groups = scored_groups(mine, _rollouts(len(mine) * G, self.version), _rewards(mine))
+        return groups, {"reward_errors": 0.0, "window": (len(mine) * G, 0, None)}
+
+
+def _producer(engine: Engine, lookahead: int, **kw) -> RolloutProducer:
+    return RolloutProducer(engine.produce, PromptSampler(DATA, 4, seed=3), first=0, version=0,
+                           lookahead=lookahead, **kw)
+
+
+def _wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _sync(producer: RolloutProducer, engine: Engine, version: int) -> None:
+    with producer.engine_turn(version):
+        engine.version = version
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_the_producer_runs_ahead_by_lookahead_versions_and_no_further(lookahead):
+    engine = Engine()
+    producer = _producer(engine, lookahead)
+    try:
+        for step in range(4):
+            producer.batch(step)
+            _wait_for(lambda: len(engine.started) >= min(step + lookahead + 1, 6))
+            time.sleep(0.05)  # would it start one more? (it must not)
+            assert len(engine.started) == step + lookahead + 1
+            _sync(producer, engine, step + 1)
+        # batch p started under a version >= p - lookahead, so the step that takes it lags at most lookahead
+        assert all(version >= index - lookahead for index, version in engine.started)
+        if lookahead == 0:
+            assert engine.started[:4] == [(0, 0), (1, 1), (2, 2), (3, 3)]  # sync's rollouts
+    finally:
+        producer.close()
+
+
+def test_on_demand_producer_generates_only_while_the_trainer_waits():
+    engine = Engine()
+    producer = _producer(engine, 0, ahead=False)
+    try:
+        producer.batch(0)
+        _sync(producer, engine, 1)
+        time.sleep(0.05)
+        assert engine.started == [(0, 0)]
+        producer.batch(1)
+        assert engine.started == [(0, 0), (1, 1)]
+    finally:
+        producer.close()
+
+
+def test_a_weight_sync_waits_for_the_producers_call_and_holds_the_next():
+    engine = Engine()
+    engine.gate = threading.Event()
+    producer = _producer(engine, 1)
+    try:
+        engine.in_call.wait(5)
+        synced = threading.Event()
+        syncer = threading.Thread(target=lambda: (_sync(producer, engine, 1), synced.set()))
+        syncer.start()
+        time.sleep(0.1)
+        assert not synced.is_set()  # the call under version 0 is still running
+        engine.gate.set()
+        syncer.join(5)
+        assert synced.is_set()
+        producer.batch(0)
+        producer.batch(1)
+        assert engine.started[:2] == [(0, 0), (1, 1)]  # batch 1 was held until the sync was done
+        times = producer.take_times()
+        assert times["time_sync_wait"] >= 0.09 and times["time_producer_busy"] >= 0.09
+    finally:
+        producer.close()
+
+
+def test_an_engine_with_partial_rollouts_syncs_without_waiting():
+    engine = Engine()
+    engine.gate = threading.Event()
+    producer = _producer(engine, 1, immediate_sync=True)
+    try:
+        engine.in_call.wait(5)
+        _sync(producer, engine, 1)  # returns while the call is held
+        assert not engine.gate.is_set()
+        engine.gate.set()
+        producer.batch(0)
+    finally:
+        producer.close()
+
+
+def test_a_producer_error_reaches_the_training_stage():
+    def failing(index, items):
+        raise ConnectionError(f"server gone at batch {index}")
+
+    producer = RolloutProducer(failing, PromptSampler(DATA, 4, seed=3), first=0, version=0, lookahead=1)
+    with pytest.raises(ConnectionError, match="server gone at batch 0"):
+        producer.batch(0)
+    producer.close()
+
+
+def _stage(engine: Engine, sampler_state: dict | None, taken: int, lookahead: int, needs_of) -> AheadStage:
+    sampler = PromptSampler(DATA, 4, seed=3)
+    if sampler_state is not None:
+        sampler.load_state_dict(sampler_state)
+    mine = PromptSampler(DATA, 4, seed=3)
+    mine.load_state_dict(sampler.state_dict())
+    producer = RolloutProducer(engine.produce, mine, first=taken, version=engine.version, lookahead=lookahead)
+    return AheadStage(producer, sampler, taken=taken, want=4 // engine.world, max_staleness=lookahead,
+                      dynamic_sampling=True, max_topup_rounds=2, needs_of=needs_of)
+
+
+def ahead_bookkeeping_rank(steps: int, stop_at: int) -> dict:
+    """One rank of a DP=2 run of the training stage with dynamic sampling, stopped after `stop_at` steps (state
+    saved, producer discarded) and resumed from that state for the rest."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def needs_of(need: int) -> list[int]:
+        every = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(every, torch.tensor([need]))
+        return [int(t) for t in every]
+
+    engine = Engine(rank, world)
+    stage = _stage(engine, None, 0, 1, needs_of)
+    trained, counts, dropped, state = [], [], 0, None
+    for step in range(steps):
+        if step == stop_at:  # a stop: checkpoint (sampler + batches taken), then a new process resumes
+            state = (stage.sampler.state_dict(), stage.taken)
+            stage.close()
+            stage = _stage(engine, state[0], state[1], 1, needs_of)
+        taken, stats = stage.take(engine.version)
+        trained += [g.item.prompt for g in taken.groups]
+        counts.append(len(taken.groups))
+        dropped += taken.dropped
+        assert max(taken.staleness) <= 1 and taken.stale == 0
+        _sync(stage.producer, engine, step + 1)
+    stage.close()
+    dist.destroy_process_group()
+    return {"trained": trained, "counts": counts, "dropped": dropped, "sampler": stage.sampler.state_dict(),
+            "taken": stage.taken, "resumed_at": state[1]}
+
+
+def test_data_parallel_ranks_take_equal_batches_of_one_global_order_across_a_resume():
+    ranks = run_distributed(ahead_bookkeeping_rank, 5, 2, world_size=2)
+    assert ranks[0]["counts"] == ranks[1]["counts"] == [2] * 5
+    assert ranks[0]["sampler"] == ranks[1]["sampler"] and ranks[0]["taken"] == ranks[1]["taken"]
+    taken = ranks[0]["taken"]
+    assert taken > 5, "no top-up batch: the dynamic-sampling path is untested"
+    # The oracle: the sampler's first `taken` batches, each prompt trained at most once, by the rank of its shard.
+    oracle = PromptSampler(DATA, 4, seed=3)
+    batches = [next(oracle) for _ in range(taken)]
+    for rank in (0, 1):
+        shard = [it.prompt for b in batches for it in b[rank * 2 : rank * 2 + 2]]
+        trained = ranks[rank]["trained"]
+        assert Counter(trained) == Counter(set(trained)), "a prompt trained twice"
+        assert set(trained) <= set(shard)
+        # every prompt of the shard was trained or dropped (counted), none silently skipped
+        assert len(shard) == len(trained) + ranks[rank]["dropped"]
+    assert ranks[0]["sampler"] == {**oracle.state_dict()}
