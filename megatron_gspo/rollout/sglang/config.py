@@ -59,7 +59,7 @@ class SGLangConfig(ServerConfig):
     master_address: str = "127.0.0.1"
     """Distributed mode: address of the trainer's rendezvous store, reachable from the servers."""
     master_port: int = 0
-    """Distributed mode: port of the rendezvous store (0 = pick a free port)."""
+    """Distributed mode: port of the rendezvous store (0 = the OS picks one when the trainer binds the store)."""
     group_name: str = "weight_update_group"
     """Distributed mode: name of the trainer + servers weight-update process group (always NCCL)."""
 

@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import logging
 import shutil
-import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -246,7 +245,7 @@ class SGLangEngine(ServerEngine):
                     urls,
                     factory=self._group_factory,
                     master_address=cfg.master_address,
-                    master_port=cfg.master_port or _free_port(),
+                    master_port=cfg.master_port,
                     gpus_per_server=cfg.tp_size,
                     group_name=cfg.group_name,
                     timeout_s=cfg.weight_sync_timeout_s,
@@ -318,9 +317,3 @@ def make_sglang_engine(runtime: Any, *, exporter: Exporter | None = None) -> SGL
     """
     cfg = SGLangConfig.from_run_config(runtime.cfg.sglang, runtime.model_config)
     return make_server_engine(SGLangEngine, cfg, runtime, exporter=exporter)  # type: ignore[return-value]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -7,7 +7,8 @@ exporter gathers TP / EP / PP shards and strips vocab padding; this module never
   `POST /update_weights_from_disk {model_path, weight_version, flush_cache: false}`.
 - distributed: once, `POST /init_weights_update_group` to every server while the trainer joins the same NCCL group
   as rank 0 (SGLang's servers join with `init_custom_process_group`: a TCP store at master_address:master_port,
-  world size = 1 + the servers' GPUs, the trainer hosting the store). Per bucket:
+  world size = 1 + the servers' GPUs, the trainer hosting the store, bound before any server hears its port).
+  Per bucket:
   `POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}` to every server
   while the trainer broadcasts each tensor from rank 0, in list order. The last bucket carries the new
   weight_version. Servers of SGLang >= 0.5.21 refuse that request (400, without joining the broadcast) outside
@@ -68,8 +69,9 @@ class UpdateGroup(Protocol):
 
 
 GroupFactory = Callable[..., UpdateGroup]
-"""join_update_group's keyword signature: master_address, master_port, world_size, group_name, timeout_s, device.
-Tests inject a gloo implementation (tests/rollout/sglang/gloo_group.py); against real servers it is NCCL."""
+"""join_update_group's keyword signature: store (the bound TCP store, host_update_store), master_address,
+world_size, group_name, timeout_s, device. Tests inject a gloo implementation (tests/rollout/sglang/gloo_group.py);
+against real servers it is NCCL."""
 
 
 class TorchUpdateGroup:
@@ -103,33 +105,48 @@ class TorchUpdateGroup:
         self._store = None
 
 
-def update_group_store(
-    *, master_address: str, master_port: int, world_size: int, group_name: str, timeout: datetime.timedelta
-) -> tuple[Any, Any]:
-    """Hosts the weight-update group's TCP store (rank 0) -> (the store, the store its backend gets less the
-    per-device prefix).
+def host_update_store(*, master_address: str, master_port: int, world_size: int, timeout_s: float) -> Any:
+    """Binds the weight-update group's TCP store (rank 0) at once, without waiting for the servers.
+
+    master_port 0 binds a port the OS picks, read back from `store.port` and only then sent to the servers: a port
+    picked free, released and bound later can be taken by another process in between (EADDRINUSE).
+    """
+    from torch.distributed import DistNetworkError, TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        return TCPStore(master_address, master_port, world_size, True, timeout, wait_for_workers=False)
+    except DistNetworkError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"sglang.master_port={master_port}, sglang.master_address={master_address}: cannot host the weight-update "
+            f"store there ({first}); set an address of this host and a free port (0: the OS picks one)"
+        ) from None
+
+
+def update_group_store(store: Any, group_name: str) -> Any:
+    """The store the trainer's backend gets, less the per-device prefix.
 
     The keys are prefixed exactly as on the server side: SGLang's `init_custom_process_group` wraps the rendezvous
     store in PrefixStore(group_name), torch's process-group helper adds f"{group_name}/", and the per-device
     backend adds "cuda/" (NCCL) or "cpu/" (gloo; tests/rollout/sglang/test_conformance.py joins SGLang's own
     function over gloo against this layout).
     """
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import PrefixStore
 
-    store = TCPStore(master_address, master_port, world_size, True, timeout)
-    return store, PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+    return PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
 
 
 def join_update_group(
     *,
+    store: Any,
     master_address: str,
-    master_port: int,
     world_size: int,
     group_name: str,
     timeout_s: float,
     device: torch.device,
 ) -> TorchUpdateGroup:
-    """Joins the NCCL weight-update group as rank 0, hosting its TCP store (update_group_store); blocks until every
+    """Joins the NCCL weight-update group as rank 0, over its bound TCP store (host_update_store); blocks until every
     server rank joined. Rank 0 publishes the NCCL unique id under the store's prefix."""
     from torch.distributed import PrefixStore
 
@@ -139,13 +156,7 @@ def join_update_group(
             "use sglang.weight_sync=disk or shm"
         )
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, prefixed = update_group_store(
-        master_address=master_address,
-        master_port=master_port,
-        world_size=world_size,
-        group_name=group_name,
-        timeout=timeout,
-    )
+    prefixed = update_group_store(store, group_name)
     opts = torch.distributed.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     opts.is_high_priority_stream = False
@@ -165,16 +176,23 @@ async def init_update_group(
     timeout_s: float,
 ) -> UpdateGroup:
     """Asks every server to join the NCCL group (server i's ranks start at 1 + i * gpus_per_server) while the
-    trainer joins as rank 0 in a worker thread (both sides block until all ranks are in)."""
+    trainer joins as rank 0 in a worker thread (both sides block until all ranks are in).
+
+    The store is bound first (master_port 0: a port the OS picks) and the servers are told the bound port.
+    """
     world_size = 1 + gpus_per_server * len(urls)
+    store = host_update_store(
+        master_address=master_address, master_port=master_port, world_size=world_size, timeout_s=timeout_s
+    )
+    port = store.port  # the one bound, also when master_port is 0
     # Resolved here, on the caller's thread: a worker thread's current CUDA device is always 0.
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     joining = asyncio.ensure_future(
         in_daemon_thread(
             factory,
+            store=store,
             master_address=master_address,
-            master_port=master_port,
             world_size=world_size,
             group_name=group_name,
             timeout_s=timeout_s,
@@ -188,7 +206,7 @@ async def init_update_group(
                 "/init_weights_update_group",
                 {
                     "master_address": master_address,
-                    "master_port": master_port,
+                    "master_port": port,
                     "rank_offset": 1 + i * gpus_per_server,
                     "world_size": world_size,
                     "group_name": group_name,

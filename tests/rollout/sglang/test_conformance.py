@@ -88,7 +88,7 @@ def drive_engine(version: str, tmp: Path) -> dict:
 
         for s in servers:
             s.join_groups = False
-        nccl = SGLangEngine(SGLangConfig(**base, tp_size=2, master_port=29555), group_factory=RecordingGroup)
+        nccl = SGLangEngine(SGLangConfig(**base, tp_size=2), group_factory=RecordingGroup)
         nccl.push_weights(iter(named_weights()), version=2)
         nccl.close()  # leaves the group: /destroy_weights_update_group
 
@@ -377,19 +377,23 @@ def test_real_sglang_router_in_front_of_a_server(tmp_path):
 @pytest.mark.parametrize("version", TESTED_SGLANG)
 def test_sglangs_own_process_group_joins_ours_and_receives_the_broadcast(version):
     """The weight-update rendezvous for real: SGLang's `init_custom_process_group` (server rank 1) and our trainer
-    end (rank 0, hosting the store: weight_sync.update_group_store, the NCCL group's layout) meet, over gloo,
-    and a broadcast tensor arrives. The fake server only copies the store layout by hand."""
+    end (rank 0, hosting the store: weight_sync.host_update_store, bound before the server hears its port, and
+    update_group_store, the NCCL group's layout) meet, over gloo, and a broadcast tensor arrives. The fake server
+    only copies the store layout by hand."""
     import torch
 
+    from megatron_gspo.rollout.sglang.weight_sync import host_update_store
     from tests.rollout.sglang.gloo_group import join_gloo_group
 
-    port, name = free_port(), SGLangConfig.group_name
+    name = SGLangConfig.group_name
+    store = host_update_store(master_address="127.0.0.1", master_port=0, world_size=2, timeout_s=60)
+    port = store.port  # bound before the server hears it, as the engine does
     sent = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8 - 0.5
     env = dict(os.environ, PYTHONPATH=sglang_path(version), OMP_NUM_THREADS="1")
     argv = [str(ENV_PYTHON), str(HARNESS), "join-group", str(port), name, json.dumps(list(sent.shape))]
     server = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        group = join_gloo_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
+        group = join_gloo_group(store=store, master_address="127.0.0.1", world_size=2, group_name=name,
                                 timeout_s=60, device=torch.device("cpu"))  # fmt: skip
         group.broadcast(sent)
         out, err = server.communicate(timeout=60)

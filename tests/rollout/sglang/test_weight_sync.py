@@ -3,6 +3,7 @@ in both of SGLang's weight-update protocols (with and without /begin_weight_upda
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from megatron_gspo.rollout.sglang import SGLangError
 from megatron_gspo.rollout.types import SamplingParams
+from tests.distributed import free_port
 from tests.rollout.server.test_transport import MB, named_weights
 from tests.rollout.sglang.gloo_group import join_gloo_group
 
@@ -84,13 +86,14 @@ def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach, ve
         return groups[-1]
 
     weights = named_weights()
-    engine = attach(servers, group_factory=factory, tp_size=2, bucket_mb=300 / MB, master_port=29555)
+    port = free_port()  # configured explicitly: bound as configured
+    engine = attach(servers, group_factory=factory, tp_size=2, bucket_mb=300 / MB, master_port=port)
     assert {info.version for info in engine.server_info.values()} == {version}
     engine.push_weights(iter(weights), version=1)
     engine.push_weights(iter(weights), version=2)
     assert len(groups) == 1  # the group is created once
     (group,) = groups
-    assert group.kwargs["world_size"] == 5 and group.kwargs["master_port"] == 29555
+    assert group.kwargs["world_size"] == 5 and group.kwargs["store"].port == port
     assert group.kwargs["group_name"] == "weight_update_group" and "backend" not in group.kwargs
     assert [t is w for t, (_, w) in zip(group.sent, weights + weights)] == [True] * 12  # list order, twice
     session = version == "0.5.23"
@@ -99,7 +102,7 @@ def test_distributed_protocol_calls_and_broadcast_order(fake_servers, attach, ve
         assert init == [
             {
                 "master_address": "127.0.0.1",
-                "master_port": 29555,
+                "master_port": port,
                 "rank_offset": 1 + 2 * i,
                 "world_size": 5,
                 "group_name": "weight_update_group",
@@ -144,6 +147,53 @@ def test_distributed_sync_over_a_real_gloo_group(fake_servers, attach, version):
         assert server.weight_version == "2"
         for name, tensor in changed:
             assert server.weights[name].dtype == tensor.dtype and torch.equal(server.weights[name], tensor)
+    engine.close()
+
+
+def test_unconfigured_port_is_bound_before_the_servers_hear_it(fake_servers, attach, monkeypatch):
+    """Issue 24: with sglang.master_port=0 the trainer used to pick a free port, release it and bind it later, in
+    the factory; another process could take it in between (EADDRINUSE). A listening socket on the picked port
+    stands in for that process (the old pick, engine._free_port, is pointed at it; the race itself cannot be
+    timed in a test). Now the store binds a port the OS picks and the servers are told that port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        monkeypatch.setattr("megatron_gspo.rollout.sglang.engine._free_port", lambda: held, raising=False)
+        servers = fake_servers(2)
+        bound: list[int] = []
+
+        def factory(**kwargs):
+            store = kwargs.get("store")
+            bound.append(store.port if store is not None else kwargs["master_port"])
+            return join_gloo_group(**kwargs)
+
+        engine = attach(servers, group_factory=factory, weight_sync_timeout_s=20)
+        weights = named_weights()
+        engine.push_weights(iter(weights), version=1)
+    (port,) = bound
+    assert port != held
+    for server in servers:
+        (init,) = [p for path, p in server.calls if path == "/init_weights_update_group"]
+        assert init["master_port"] == port
+        assert server.weight_version == "1"
+        for name, tensor in weights:
+            assert torch.equal(server.weights[name], tensor)
+    engine.close()
+
+
+def test_configured_port_in_use_is_a_one_line_error(fake_servers, attach):
+    """An explicitly configured sglang.master_port is bound as configured; taken, it fails before any server is
+    asked to join (nothing waits on a store that does not exist)."""
+    (server,) = fake_servers(1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        engine = attach([server], group_factory=join_gloo_group, master_port=held, weight_sync_timeout_s=5)
+        with pytest.raises(RuntimeError, match=f"sglang.master_port={held}, .*: cannot host the weight-update store"):
+            engine.push_weights(iter(named_weights()), version=1)
+    assert "/init_weights_update_group" not in server.paths()
     engine.close()
 
 
