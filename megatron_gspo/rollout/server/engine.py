@@ -505,6 +505,9 @@ class ServerEngine:
         self._pushing = version
         try:
             self._run(self._push(named_tensors, version))
+            # Before `_pushing` is cleared: a sample finishing in between must not see a version newer than both.
+            self.weight_version = version
+            self._failed_version = None
         except BaseException:
             self._failed_version = version
             if not self._closed:
@@ -512,8 +515,6 @@ class ServerEngine:
             raise
         finally:
             self._pushing = None
-        self.weight_version = version
-        self._failed_version = None
 
     async def _push(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
         """The protocol's weight update of every server (the subclass)."""
