@@ -130,6 +130,7 @@ def test_prompt_logprobs():
             ),
             "pick one",
         ),
+        (dict(extra_server_args=["--enable-chunked-prefill"]), "remove the flag or set vllm.partial_rollouts=false"),
     ],
 )
 def test_config_errors_name_the_key(fields, message):
@@ -147,8 +148,11 @@ def test_server_command_and_environment():
         "--port", "9001", "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", "1",
         "--skip-tokenizer-init", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
         "--weight-transfer-config", '{"backend": "megatron_gspo"}', "--enforce-eager", "--max-model-len", "64",
-        "--kv-cache-memory-bytes", "1000", "--x",
+        "--kv-cache-memory-bytes", "1000", "--no-enable-chunked-prefill", "--x",
     ]  # fmt: skip
+    # Chunked prefill stays vLLM's default where no sync continues requests, or on GPUs (NCCL).
+    for other in (dict(partial_rollouts=False), dict(weight_transport="nccl")):
+        assert "--no-enable-chunked-prefill" not in server_command(VLLMConfig(model_path="m", **other), 0)
     assert '{"backend": "nccl"}' in server_command(VLLMConfig(model_path="m", weight_transport="nccl"), 0)
     capture = VLLMConfig(model_path="m", capture_routes=True, num_experts=8, num_moe_layers=2, moe_topk=2)
     command = server_command(capture, 0)
@@ -345,3 +349,30 @@ def test_close_from_another_thread_ends_a_waiting_generate(fake):
     assert not producer.is_alive()
     assert isinstance(out["error"], RuntimeError) and "closed while this call waited" in str(out["error"])
     assert server.aborted_rids  # its request was aborted on the server
+
+
+def test_the_engine_version_is_new_before_the_sync_stops_counting_as_in_progress(fake, tmp_path):
+    """A sample finishing on the loop thread checks its version against max(weight_version, _pushing): were
+    `_pushing` cleared before `weight_version` moved, a sample of the new version would fail as too new."""
+    seen: list = []
+
+    class Spy(VLLMEngine):
+        @property
+        def _pushing(self):
+            return self.__dict__.get("_spy_pushing")
+
+        @_pushing.setter
+        def _pushing(self, value):
+            if value is None and self.__dict__.get("_spy_pushing") is not None:
+                seen.append((self.__dict__["_spy_pushing"], self.weight_version))
+            self.__dict__["_spy_pushing"] = value
+
+    (server,) = fake(1)
+    options = dict(mode="attach", urls=[server.url], backoff_s=0.01, max_retries=2, request_timeout_s=10,
+                   weight_transport="disk", weight_sync_dir=str(tmp_path))  # fmt: skip
+    engine = Spy(VLLMConfig(**options), lambda chunks: iter(named_weights()))
+    try:
+        engine.update_weights(["chunk"], version=1)
+        assert seen == [(1, 1)]
+    finally:
+        engine.close()
