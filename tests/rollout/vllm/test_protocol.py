@@ -376,3 +376,38 @@ def test_the_engine_version_is_new_before_the_sync_stops_counting_as_in_progress
         assert seen == [(1, 1)]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("loop_closed", [False, True])
+def test_a_call_that_races_close_fails_as_closed_instead_of_waiting_forever(fake, loop_closed):
+    """A thread past the open checks queues its work just as `close` stops the loop (stopped, or also closed):
+    it gets the engine's closed error (before, it waited forever for a loop that would never run it)."""
+    import asyncio
+    import threading
+
+    (server,) = fake(1)
+    engine = attach([server])
+    queue = engine._loop.call_soon_threadsafe
+
+    def close_then_queue(callback):
+        engine._loop.call_soon_threadsafe = queue  # close itself uses the loop
+        engine.close()  # ends the loop thread (and closes the loop)
+        if not loop_closed:
+            engine._loop = asyncio.new_event_loop()  # stopped, not closed: the callback is queued, never run
+        return engine._loop.call_soon_threadsafe(callback)
+
+    engine._loop.call_soon_threadsafe = close_then_queue
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            engine._run(asyncio.sleep(0))
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            out["error"] = e
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=20)
+    assert not caller.is_alive(), "the call waits forever"
+    assert isinstance(out.get("error"), RuntimeError) and str(out["error"]) == "VLLMEngine is closed"
+    engine._loop.close()
