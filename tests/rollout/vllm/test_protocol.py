@@ -411,3 +411,36 @@ def test_a_call_that_races_close_fails_as_closed_instead_of_waiting_forever(fake
     assert not caller.is_alive(), "the call waits forever"
     assert isinstance(out.get("error"), RuntimeError) and str(out["error"]) == "VLLMEngine is closed"
     engine._loop.close()
+
+
+def test_routes_of_another_threads_running_generate_are_kept(fake):
+    """capture_routes: a `generate` that ends pops its routes and drops its own leftovers (aborted attempts), not
+    the routes of another thread's `generate` still running (partial rollouts: producer + sync threads)."""
+    import threading
+
+    (server,) = fake(1)
+    server.routes = {}
+    engine = attach([server], capture_routes=True, num_experts=8, num_moe_layers=2, moe_topk=2)
+    try:
+        server.generate_delay_s = 1.5
+        out: dict = {}
+
+        def produce() -> None:
+            try:
+                out["slow"] = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                out["error"] = e
+
+        slow = threading.Thread(target=produce)
+        slow.start()
+        while server.in_flight < 1:
+            assert slow.is_alive()
+        server.generate_delay_s = 0.0
+        fast = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))  # ends while the slow one runs
+        slow.join(timeout=30)
+        assert "error" not in out, out.get("error")
+        for r in fast + out["slow"]:
+            assert r.routed_experts.shape == (len(r.prompt_ids) + len(r.response_ids) - 1, 2, 2)
+        assert server.routes == {}
+    finally:
+        engine.close()
