@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
+from typing import Any
 
 from megatron_gspo.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES, SEQUENCE_WEIGHTS
 from megatron_gspo.algorithms.grpo import GRPO_AGGREGATIONS, GRPO_CLIP_HIGH, GRPO_CLIP_LOW
@@ -103,22 +104,27 @@ trainer's recomputed log-probs, pi_behav = the engine's):
 Token-level presets need a token-level loss (grpo, gspo_token)."""
 
 
+_DEFAULTS: dict[str, Any] = {"level": "off", "mode": "truncate", "threshold": 2.0, "sequence_weight": "geometric"}
+"""RolloutCorrectionConfig's values for keys neither set nor given by the preset."""
+
+
 @dataclass
 class RolloutCorrectionConfig:
     """Importance correction between the trainer's and the rollout engine's log-probs (config section
     `rollout.correction`); `resolved()` is what the trainer applies."""
 
     preset: str | None = None
-    """A named correction (CORRECTION_PRESETS); keys set here to a value other than their default override it."""
-    level: str = "off"
+    """A named correction (CORRECTION_PRESETS); every key set here (even to its usual default) overrides it. Keys
+    left null take the preset's value, else their default (_DEFAULTS); `__post_init__` fills them in."""
+    level: str | None = None
     """Per "token", per "sequence" (exp of the mean token log-ratio), or "off" (monitor the mismatch only)."""
-    mode: str = "truncate"
+    mode: str | None = None
     """Weights above `threshold` are cut to it ("truncate", TIS) or set to 0 ("mask", MIS)."""
-    threshold: float = 2.0
+    threshold: float | None = None
     """Largest weight kept as is (>= 1)."""
     mask_below: float | None = None
     """Weights below this are set to 0 too (two-sided mask; icepop: 1 / threshold at token level); null = off."""
-    sequence_weight: str = "geometric"
+    sequence_weight: str | None = None
     """level=sequence: "geometric" exp(mean_t d) (length-normalised) or "product" exp(sum_t d) (unbiased; tiny
     or huge on long answers). Both are logged whatever is chosen."""
     geo_mask_low: float | None = None
@@ -131,6 +137,13 @@ class RolloutCorrectionConfig:
             raise ValueError(
                 f"rollout.correction.preset={self.preset!r} is unknown; choose one of {', '.join(CORRECTION_PRESETS)}"
             )
+        # Unset (null) keys are filled here, so that a key written to its usual default still overrides the
+        # preset (preset=gspo_seq_mis, mode=truncate) and the dumped config reloads to the same correction.
+        # The null-default bounds (mask_below, geo_mask_*) cannot be unset against a preset that sets them.
+        preset = CORRECTION_PRESETS[self.preset] if self.preset is not None else {}
+        for name in ("level", "mode", "threshold", "sequence_weight", "mask_below", "geo_mask_low", "geo_mask_high"):
+            if getattr(self, name) is None:
+                setattr(self, name, preset.get(name, _DEFAULTS.get(name)))
         if self.level not in CORRECTION_LEVELS:
             raise ValueError(
                 f"rollout.correction.level={self.level!r} is unknown; choose off, token or sequence"
@@ -165,14 +178,8 @@ class RolloutCorrectionConfig:
             )
 
     def resolved(self) -> RolloutCorrectionConfig:
-        """The correction to apply: the preset's values, then every key set to a non-default value (no preset:
-        this config)."""
-        if self.preset is None:
-            return self
-        defaults = RolloutCorrectionConfig()
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "preset"}
-        overrides = {k: v for k, v in own.items() if v != getattr(defaults, k)}
-        return replace(defaults, **{**CORRECTION_PRESETS[self.preset], **overrides})
+        """The correction to apply: this config (`__post_init__` already applied the preset under the keys set)."""
+        return self
 
     @property
     def active(self) -> bool:

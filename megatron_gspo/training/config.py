@@ -276,7 +276,7 @@ class RunConfig:
         correction = asked.resolved()
         if correction.level == "token" and make_policy_loss(self.loss).sequence_level:
             # GSPO's loss only sees per-sequence log-prob sums: per-token weights would be silently ignored.
-            named = "rollout.correction.level=token" if asked.level == "token" else (
+            named = "rollout.correction.level=token" if asked.preset is None else (
                 f"rollout.correction.preset={asked.preset} (level=token)")
             raise ValueError(
                 f"{named} has no effect with loss.algorithm={self.loss.algorithm} (a "

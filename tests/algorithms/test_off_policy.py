@@ -3,6 +3,7 @@ and geometric exp(mean) sequence weights, two-sided (icepop) masks, the geometri
 the decoupled objective's value and gradient (autograd vs the hand derivative), broadcast shapes and masked-token
 leakage."""
 
+import dataclasses
 import math
 
 import pytest
@@ -144,6 +145,17 @@ def test_presets_resolve_and_explicit_keys_override_them():
     assert RolloutCorrectionConfig().resolved() == RolloutCorrectionConfig()
     assert not RolloutCorrectionConfig(preset="monitor").resolved().active
     assert RolloutCorrectionConfig(preset="gspo_geo_band").resolved().active
+
+
+def test_a_key_set_to_its_usual_default_still_overrides_the_preset():
+    # gspo_seq_mis masks at 2.0; "truncate" and 2.0 are also the keys' defaults when no preset is named.
+    tis = RolloutCorrectionConfig(preset="gspo_seq_mis", mode="truncate").resolved()
+    assert (tis.level, tis.mode, tis.threshold) == ("sequence", "truncate", 2.0)
+    off = RolloutCorrectionConfig(preset="gspo_decoupled", level="off", threshold=2.0).resolved()
+    assert (off.level, off.mode, off.threshold) == ("off", "mask", 2.0)
+    # The config as written to disk (every key filled in) loads back to the same correction.
+    again = RolloutCorrectionConfig(**dataclasses.asdict(tis)).resolved()
+    assert again == tis
 
 
 @pytest.mark.parametrize(

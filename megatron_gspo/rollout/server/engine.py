@@ -225,7 +225,7 @@ class ServerEngine:
         try:
             if self._loop_thread.is_alive() and threading.current_thread() is not self._loop_thread:
                 try:
-                    self._run(self._shut_down())
+                    self._run(self._shut_down(), closing=True)
                 finally:
                     self._loop.call_soon_threadsafe(self._loop.stop)
                     self._loop_thread.join(timeout=30)
@@ -256,25 +256,42 @@ class ServerEngine:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], *, closing: bool = False) -> T:
         """Runs `coro` on the engine's loop thread and waits for it (several threads may wait at once); on an
-        interrupt of the waiting thread (e.g. Ctrl-C) the coroutine is cancelled, waited for, then re-raised."""
+        interrupt of the waiting thread (e.g. Ctrl-C) the coroutine is cancelled, waited for, then re-raised.
+        Once `close` began (other than its own shut-down, `closing`), it fails with the closed error."""
+        closed = RuntimeError(f"{type(self).__name__} is closed")
         if threading.current_thread() is self._loop_thread:
             coro.close()
             raise RuntimeError(f"{type(self).__name__} methods are synchronous and not re-entrant")
         if not self._loop_thread.is_alive():
             coro.close()
-            raise RuntimeError(f"{type(self).__name__} is closed")
+            raise closed
         started: concurrent.futures.Future[asyncio.Task] = concurrent.futures.Future()
         finished = threading.Event()
 
         def start() -> None:
+            if self._closed and not closing:  # queued after close's shut-down, which cancels what it finds
+                coro.close()
+                started.set_exception(closed)
+                return
             task = self._loop.create_task(coro)
             task.add_done_callback(lambda _: finished.set())
             started.set_result(task)
 
-        self._loop.call_soon_threadsafe(start)
-        task = started.result()
+        try:
+            self._loop.call_soon_threadsafe(start)
+        except RuntimeError:  # close() ended the loop since the check above
+            coro.close()
+            raise closed from None
+        while True:
+            try:
+                task = started.result(timeout=1.0)
+                break
+            except concurrent.futures.TimeoutError:
+                if not self._loop_thread.is_alive():  # the loop stopped before running `start`
+                    coro.close()
+                    raise closed from None
         try:
             finished.wait()
         except BaseException:
@@ -505,6 +522,9 @@ class ServerEngine:
         self._pushing = version
         try:
             self._run(self._push(named_tensors, version))
+            # Before `_pushing` is cleared: a sample finishing in between must not see a version newer than both.
+            self.weight_version = version
+            self._failed_version = None
         except BaseException:
             self._failed_version = version
             if not self._closed:
@@ -512,8 +532,6 @@ class ServerEngine:
             raise
         finally:
             self._pushing = None
-        self.weight_version = version
-        self._failed_version = None
 
     async def _push(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
         """The protocol's weight update of every server (the subclass)."""

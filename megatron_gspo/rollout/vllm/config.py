@@ -114,6 +114,12 @@ class VLLMConfig(ServerConfig):
             self.model_path = (
                 ""  # attached servers already hold weights; the first sync makes them the trainer's
             )
+        if self.unchunked_prefill and "--enable-chunked-prefill" in self.extra_server_args:
+            raise ValueError(
+                "vllm.extra_server_args has --enable-chunked-prefill: a chunked re-prefill after a weight sync "
+                "crashes a CPU vLLM server with vllm.partial_rollouts=true (seeded generators cannot be offset on "
+                "CPU); remove the flag or set vllm.partial_rollouts=false"
+            )
         check_ints(self, ("max_model_len", "kv_cache_memory_bytes", "seed", "cpu_threads"), minimum=0)
         check_ints(self, ("tp_size",), minimum=1)
         check_port(self, "port_base")
@@ -122,6 +128,12 @@ class VLLMConfig(ServerConfig):
 
     def routes_flag(self) -> str | None:
         return "capture_routes" if self.capture_routes else super().routes_flag()
+
+    @property
+    def unchunked_prefill(self) -> bool:
+        """Whether the servers run without chunked prefill (launch.py says why): partial rollouts (pause
+        mode=keep) on servers that may be CPU ones (any transport but NCCL, which needs GPUs)."""
+        return self.partial_rollouts and not self.return_routed_experts and self.weight_transport != "nccl"
 
     @property
     def capture_spec(self) -> RoutingSpec | None:

@@ -186,17 +186,21 @@ class VLLMEngine(ServerEngine):
 
     async def _after_generate(self, rollouts: list[Rollout]) -> None:
         """With capture_routes: every sample's routes from the gate hooks of the server that generated it; the
-        routes of this engine's other requests (aborted or retried attempts) are dropped there (a server this call
-        did not use drops them at its next use: a dead one is not asked)."""
+        routes of this call's other requests (aborted or retried attempts) are dropped there (on a server this call
+        did not use they stay, a few rows per retried attempt, until the server restarts)."""
         spec = self.config.capture_spec
         if spec is None or not rollouts:
             return
         by_url: dict[str, list[Rollout]] = {}
         for r in rollouts:
             by_url.setdefault(r.extra["server"], []).append(r)
+        # Only this call's leftovers: another thread's `generate` may still be running (partial rollouts), and its
+        # requests' routes must stay until it pops them. (rid = run-call-prompt-sample-attempt.)
+        run, call = rollouts[0].extra["rid"].split("-")[:2]
+        forget = f"{REQUEST_ID_PREFIX}{run}-{call}-"
         for url, group in by_url.items():
             prefixes = [REQUEST_ID_PREFIX + r.extra["rid"] for r in group]
-            request = json.dumps({"want": prefixes, "forget": f"{REQUEST_ID_PREFIX}{self._run_id}-"})
+            request = json.dumps({"want": prefixes, "forget": forget})
             body = {"method": "gspo_pop_routes", "args": [request]}
             answer = await self._client.call(url, "/collective_rpc", body)
             routes = (answer or {}).get("results", [None])[0] or {}

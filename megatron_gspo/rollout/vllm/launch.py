@@ -42,6 +42,12 @@ def server_command(cfg: VLLMConfig, index: int, model_path: str | None = None) -
         cmd.append("--enable-return-routed-experts")
     if cfg.capture_routes:
         cmd += ["--worker-extension-cls", CAPTURE_EXTENSION, "--no-enable-prefix-caching"]
+    if cfg.unchunked_prefill:
+        # A partial rollout's re-prefill after a sync (prompt + answer so far) longer than a step's token budget
+        # (2048 on CPU) is chunked; vLLM then moves the request's seeded generator with `set_offset`, which a CPU
+        # torch.Generator refuses ("CPU Generator does not use offset", v1/worker/gpu_model_runner.py), and the
+        # engine core dies. Unchunked, vLLM raises max-num-batched-tokens to max-model-len (arg_utils.py).
+        cmd.append("--no-enable-chunked-prefill")
     return cmd + list(cfg.extra_server_args)
 
 

@@ -22,6 +22,10 @@ class FakeVLLM(FakeSGLang):
         super().__init__(**kwargs)
         self.update_active = False
         self.weight_version = "default"
+        self.routes: dict[str, int] | None = None
+        """Set to {} to record routes (vllm.capture_routes): vLLM request id -> rows recorded so far. Stands in
+        for the gate hooks of worker.py (which need a vLLM model runner); the store rule is the worker's own,
+        tested on the real server in test_partial_rollouts.py."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -29,6 +33,7 @@ class FakeVLLM(FakeSGLang):
         r.add_post("/inference/v1/generate", self.generate)
         r.add_get("/health", self.health)
         r.add_get("/weight_info", self.weight_info)
+        r.add_post("/collective_rpc", self.pop_routes)
         for path in ("/pause", "/resume", "/reset_prefix_cache", "/start_weight_update", "/finish_weight_update",
                      "/update_weights", "/abort_requests"):  # fmt: skip
             r.add_post(path, self.rl_call)
@@ -41,6 +46,9 @@ class FakeVLLM(FakeSGLang):
         if self.malformed_json > 0:
             self.malformed_json -= 1
             return web.Response(body=b'{"choices": [{"token_ids": [1, 2', content_type="application/json")
+        vllm_id = f"generate-tokens-{body['request_id']}-0"  # vLLM appends a random suffix
+        if self.routes is not None:
+            self.routes[vllm_id] = len(body["token_ids"])  # the prefill's rows, recorded as the request runs
         self.in_flight += 1
         try:
             if self.generate_delay_s:
@@ -72,6 +80,8 @@ class FakeVLLM(FakeSGLang):
         }
         for key in self.drop_fields:
             choice.pop(key, None)
+        if self.routes is not None and vllm_id in self.routes:  # a forgotten request is not recorded again
+            self.routes[vllm_id] += len(tokens) - 1
         return web.json_response({"request_id": "generate-tokens-" + body["request_id"], "choices": [choice]})
 
     async def weight_info(self, request: web.Request) -> web.Response:
@@ -99,3 +109,25 @@ class FakeVLLM(FakeSGLang):
         elif path == "/abort_requests":
             self.aborted_rids.extend(payload["request_ids"])
         return web.json_response({"message": "ok"})
+
+    async def pop_routes(self, request: web.Request) -> web.Response:
+        """`gspo_pop_routes` (worker.py's rule): the wanted requests' routes, popped; others under `forget` dropped.
+        Every row routes to experts 0..topk-1 (L=2 layers, top-2 here)."""
+        import base64
+        import io
+        import json
+
+        import numpy as np
+
+        payload = await self._payload(request)
+        spec = json.loads(payload["args"][0])
+        out = {}
+        for rid in list(self.routes or {}):
+            match = next((p for p in spec["want"] if rid.startswith(p + "-")), None)
+            if match is not None:
+                encoded = io.BytesIO()
+                np.save(encoded, np.tile(np.arange(2, dtype=np.int32), (self.routes.pop(rid), 2, 1)))
+                out[match] = base64.b64encode(encoded.getvalue()).decode("ascii")
+            elif rid.startswith(spec["forget"]):
+                del self.routes[rid]
+        return web.json_response({"results": [out]})

@@ -27,9 +27,15 @@ from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-SAMPLES = 3
+SAMPLES = 4
 MAX_NEW_TOKENS = 224
 """Long enough that the sync (its checkpoint is written while the server keeps sampling) lands mid-answer."""
+MAX_MODEL_LEN = 256
+MIN_TOKENS = 64
+"""Tokens per sample before the sync: the samples' re-prefill after it (prompt + answer so far, all at once)
+exceeds a step's token budget (max-num-batched-tokens = MAX_MODEL_LEN here), which vLLM chunks unless launched
+with --no-enable-chunked-prefill; a chunk ending mid-request offsets the seeded CPU generator and kills the
+engine core (launch.py)."""
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,7 +85,8 @@ def server(models, tmp_path_factory):
         python=str(VLLM_PYTHON),
         port_base=free_port(),
         dtype="float32",
-        max_model_len=256,
+        max_model_len=MAX_MODEL_LEN,
+        extra_server_args=["--max-num-batched-tokens", str(MAX_MODEL_LEN)],
         kv_cache_memory_bytes=32_000_000,
         cpu_threads=1,
         startup_timeout_s=300,
@@ -106,7 +113,7 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = 24):
+def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = MIN_TOKENS):
     """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`) from this
     thread once every sample is running and at least `min_tokens` tokens each were sampled. Returns the rollouts
     and the server's token count at the update."""
@@ -181,6 +188,7 @@ def test_generation_spanning_a_weight_update_is_continued_token_by_token(server,
     print(f"\ntokens sampled before the update: {sampled_at_update:.0f} of {SAMPLES * MAX_NEW_TOKENS}")
     assert server.weight_versions() == [start + 1]
     k = config.num_experts_per_tok
+    re_prefill = 0
     for i, r in enumerate(rollouts):
         # nothing lost or cut short: every sample ran to max_new_tokens (no stop tokens), versions in order
         assert r.finish_reason == "length" and len(r.response_ids) == MAX_NEW_TOKENS, (i, r.finish_reason)
@@ -188,6 +196,7 @@ def test_generation_spanning_a_weight_update_is_continued_token_by_token(server,
         assert start + 1 in versions, f"sample {i} ended before the sync reached the server: {r.token_versions}"
         switch = versions.index(start + 1)
         assert 0 < switch and versions == [start] * switch + [start + 1] * (MAX_NEW_TOKENS - switch), (i, versions)
+        re_prefill += len(r.prompt_ids) + switch
         assert r.weight_version == start and r.token_versions == versions
         reference = {v: _reference(dirs[v - start], r, k) for v in (start, start + 1)}
         engine_lp = torch.tensor(r.logprobs)
@@ -208,6 +217,8 @@ def test_generation_spanning_a_weight_update_is_continued_token_by_token(server,
         assert unversioned and max(unversioned) < len(r.prompt_ids) - 1 + switch, (i, unversioned[:5])
         print(f"sample {i}: switch at token {switch}, max |log-prob diff| {diff.max():.2e}, "
               f"unversioned pairing wrong on {len(unversioned)} of {len(r.prompt_ids) - 1 + switch} prefix rows")
+    # the case that crashed a chunking server: one step could not hold the whole re-prefill
+    assert re_prefill > MAX_MODEL_LEN, f"re-prefill of {re_prefill} tokens fits one step: raise MIN_TOKENS"
 
 
 def test_without_partial_rollouts_samples_in_flight_start_again_under_the_new_weights(server, models):

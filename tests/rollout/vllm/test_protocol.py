@@ -130,6 +130,7 @@ def test_prompt_logprobs():
             ),
             "pick one",
         ),
+        (dict(extra_server_args=["--enable-chunked-prefill"]), "remove the flag or set vllm.partial_rollouts=false"),
     ],
 )
 def test_config_errors_name_the_key(fields, message):
@@ -147,8 +148,11 @@ def test_server_command_and_environment():
         "--port", "9001", "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", "1",
         "--skip-tokenizer-init", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
         "--weight-transfer-config", '{"backend": "megatron_gspo"}', "--enforce-eager", "--max-model-len", "64",
-        "--kv-cache-memory-bytes", "1000", "--x",
+        "--kv-cache-memory-bytes", "1000", "--no-enable-chunked-prefill", "--x",
     ]  # fmt: skip
+    # Chunked prefill stays vLLM's default where no sync continues requests, or on GPUs (NCCL).
+    for other in (dict(partial_rollouts=False), dict(weight_transport="nccl")):
+        assert "--no-enable-chunked-prefill" not in server_command(VLLMConfig(model_path="m", **other), 0)
     assert '{"backend": "nccl"}' in server_command(VLLMConfig(model_path="m", weight_transport="nccl"), 0)
     capture = VLLMConfig(model_path="m", capture_routes=True, num_experts=8, num_moe_layers=2, moe_topk=2)
     command = server_command(capture, 0)
@@ -345,3 +349,98 @@ def test_close_from_another_thread_ends_a_waiting_generate(fake):
     assert not producer.is_alive()
     assert isinstance(out["error"], RuntimeError) and "closed while this call waited" in str(out["error"])
     assert server.aborted_rids  # its request was aborted on the server
+
+
+def test_the_engine_version_is_new_before_the_sync_stops_counting_as_in_progress(fake, tmp_path):
+    """A sample finishing on the loop thread checks its version against max(weight_version, _pushing): were
+    `_pushing` cleared before `weight_version` moved, a sample of the new version would fail as too new."""
+    seen: list = []
+
+    class Spy(VLLMEngine):
+        @property
+        def _pushing(self):
+            return self.__dict__.get("_spy_pushing")
+
+        @_pushing.setter
+        def _pushing(self, value):
+            if value is None and self.__dict__.get("_spy_pushing") is not None:
+                seen.append((self.__dict__["_spy_pushing"], self.weight_version))
+            self.__dict__["_spy_pushing"] = value
+
+    (server,) = fake(1)
+    options = dict(mode="attach", urls=[server.url], backoff_s=0.01, max_retries=2, request_timeout_s=10,
+                   weight_transport="disk", weight_sync_dir=str(tmp_path))  # fmt: skip
+    engine = Spy(VLLMConfig(**options), lambda chunks: iter(named_weights()))
+    try:
+        engine.update_weights(["chunk"], version=1)
+        assert seen == [(1, 1)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("loop_closed", [False, True])
+def test_a_call_that_races_close_fails_as_closed_instead_of_waiting_forever(fake, loop_closed):
+    """A thread past the open checks queues its work just as `close` stops the loop (stopped, or also closed):
+    it gets the engine's closed error (before, it waited forever for a loop that would never run it)."""
+    import asyncio
+    import threading
+
+    (server,) = fake(1)
+    engine = attach([server])
+    queue = engine._loop.call_soon_threadsafe
+
+    def close_then_queue(callback):
+        engine._loop.call_soon_threadsafe = queue  # close itself uses the loop
+        engine.close()  # ends the loop thread (and closes the loop)
+        if not loop_closed:
+            engine._loop = asyncio.new_event_loop()  # stopped, not closed: the callback is queued, never run
+        return engine._loop.call_soon_threadsafe(callback)
+
+    engine._loop.call_soon_threadsafe = close_then_queue
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            engine._run(asyncio.sleep(0))
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            out["error"] = e
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=20)
+    assert not caller.is_alive(), "the call waits forever"
+    assert isinstance(out.get("error"), RuntimeError) and str(out["error"]) == "VLLMEngine is closed"
+    engine._loop.close()
+
+
+def test_routes_of_another_threads_running_generate_are_kept(fake):
+    """capture_routes: a `generate` that ends pops its routes and drops its own leftovers (aborted attempts), not
+    the routes of another thread's `generate` still running (partial rollouts: producer + sync threads)."""
+    import threading
+
+    (server,) = fake(1)
+    server.routes = {}
+    engine = attach([server], capture_routes=True, num_experts=8, num_moe_layers=2, moe_topk=2)
+    try:
+        server.generate_delay_s = 1.5
+        out: dict = {}
+
+        def produce() -> None:
+            try:
+                out["slow"] = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                out["error"] = e
+
+        slow = threading.Thread(target=produce)
+        slow.start()
+        while server.in_flight < 1:
+            assert slow.is_alive()
+        server.generate_delay_s = 0.0
+        fast = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))  # ends while the slow one runs
+        slow.join(timeout=30)
+        assert "error" not in out, out.get("error")
+        for r in fast + out["slow"]:
+            assert r.routed_experts.shape == (len(r.prompt_ids) + len(r.response_ids) - 1, 2, 2)
+        assert server.routes == {}
+    finally:
+        engine.close()
