@@ -32,17 +32,16 @@ The batch gets informative groups first (RolloutBuffer.take); groups left over a
 prompts consumed are always a prefix of the global order.
 
 Checkpoints and resume: the checkpointed sampler position and `rollout_batches` count the batches the training
-stage has taken. Batches produced ahead, buffered or in flight are discarded at a stop (SIGTERM / SIGUSR1, or the run's
-end: the producer's current call is not waited for, its result is dropped and the engine's close cancels it) or lost with the
-process (kill -9); a resumed run produces them again from the same prompts and seeds (under its newer weights),
-so no prompt is trained twice or skipped and no step is skipped.
+stage has taken. Batches produced ahead, buffered or in flight are discarded at a stop (SIGTERM / SIGUSR1) or at
+the run's end (the producer's current call is not waited for: its result is dropped unscored and the engine's
+close cancels it) or lost with the process (kill -9); a resumed run produces them again from the same prompts
+and seeds (under its newer weights), so no prompt is trained twice or skipped and no step is skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,8 +53,6 @@ from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rollout.types import Rollout
 from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken, group_version
-
-log = logging.getLogger(__name__)
 
 BatchResult = tuple[list[RolloutGroup], dict]
 """A produced batch: this rank's scored groups and its statistics: reward_errors and `window`, the producer's
@@ -216,8 +213,8 @@ class RolloutProducer:
     def _run(self) -> None:
         try:
             if self.device is not None and self.device.type == "cuda":
-                # The current CUDA device is per thread and a new thread's is device 0: without this, tensors the
-                # producer makes on "cuda" (and NCCL-free copies in generate / score) would land on rank 0's GPU.
+                # The current CUDA device is per thread and a new thread starts on device 0: without this, whatever
+                # generate / score put on "cuda" in this thread would land on device 0, another rank's GPU.
                 torch.cuda.set_device(self.device)
             while True:
                 with self._cond:
