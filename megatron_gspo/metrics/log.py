@@ -17,6 +17,22 @@ _BAR_KEYS = ("reward_mean", "clip_frac_low_tok", "clip_frac_high_tok")
 
 ROLLOUT_COUNTS = ("groups_dropped", "groups_zero_variance_kept", "groups_stale", "reward_errors")
 """Rollout statistics that are counts: summed over data-parallel replicas (the others are means over equal shares)."""
+ROLLOUT_MAXIMA = ("staleness_max",)
+"""Rollout statistics that are maxima: the largest over data-parallel replicas."""
+
+
+def combine_rollout_stats(shares: list[dict]) -> dict:
+    """The rollout statistics of the whole batch from each data-parallel replica's share (equal-sized shares: the
+    mean of the replicas' means is the batch mean; counts add up; maxima are the largest)."""
+    out = {}
+    for key in shares[0]:
+        values = [s[key] for s in shares]
+        if key in ROLLOUT_MAXIMA:
+            out[key] = max(values)
+        else:
+            total = math.fsum(values)
+            out[key] = total if key in ROLLOUT_COUNTS else total / len(shares)
+    return out
 
 
 def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: dict, times: dict, batch) -> dict:
@@ -67,11 +83,7 @@ def reduce_step_metrics(rt, rollout_stats: dict, updates: list[dict], mismatch: 
     if not has_stale_buckets(out):
         # Synchronous RL: every sample has staleness 0, and bucket 0 would repeat the batch's metrics.
         out = {k: v for k, v in out.items() if not k.startswith("staleness_")}
-    # Equal-sized shares per data-parallel rank: the mean of the replicas' means is the batch mean.
-    rollouts = [g["rollout"] for g in gathered if g["rollout"] is not None]
-    for key in rollouts[0]:
-        total = math.fsum(r[key] for r in rollouts)
-        out[key] = total if key in ROLLOUT_COUNTS else total / len(rollouts)
+    out.update(combine_rollout_stats([g["rollout"] for g in gathered if g["rollout"] is not None]))
     # Expert drift: each pipeline stage measured its own layers; store_route_change combined them already.
     out.update(updates[0].get("drift") or {})
     norms = [u["grad_norm"] for u in updates if not u["skipped"]]

@@ -7,10 +7,12 @@ global prompt order (the trainer's `PromptSampler`), this rank's shard of it, sa
 `trainer.seed * 1_000_003 + p`: the very requests synchronous RL makes for step p. The training stage takes
 batch after batch in that order through a `RolloutBuffer` bounded by `rollout.max_staleness`.
 
-How far ahead: the producer starts batch p once the engine holds weight version >= p - lookahead (one_step_off:
-1; async: max_staleness), or at once when the training stage asks for it (a dynamic-sampling top-up). A batch is
-taken at a step <= its index, so it never lags more than `lookahead` versions: `max_staleness: 0` async produces
-sync's rollouts, each sampled right after the weights it trains were synced.
+How far ahead (lookahead; one_step_off: 1, async: max_staleness): with T batches taken, the next one taken at
+step s, and the engine at weight version v, the producer starts batch p once (p - T) + (s - v) <= lookahead, or at
+once when the training stage asks for it (a dynamic-sampling top-up). Every step takes at least one batch, in
+order, so batch p is taken at a step <= s + (p - T) and lags at most lookahead versions; counting batches taken
+rather than batch indices keeps top-ups (extra batches within one step) from eating the lookahead.
+`max_staleness: 0` async produces sync's rollouts, each sampled right after the weights it trains were synced.
 
 Weight syncs and evaluation wait for the producer's current generate call (`engine_turn`): a server engine runs
 one private event loop and is not re-entrant, so a sync between calls is the safe default. An engine that sets
@@ -30,17 +32,16 @@ The batch gets informative groups first (RolloutBuffer.take); groups left over a
 prompts consumed are always a prefix of the global order.
 
 Checkpoints and resume: the checkpointed sampler position and `rollout_batches` count the batches the training
-stage has taken. Batches produced ahead, buffered or in flight are discarded at a stop (SIGTERM / SIGUSR1: the
-producer's current call is waited for up to `close_timeout_s`, then left to its daemon thread) or lost with the
-process (kill -9); a resumed run produces them again from the same prompts and seeds (under its newer weights),
-so no prompt is trained twice or skipped and no step is skipped.
+stage has taken. Batches produced ahead, buffered or in flight are discarded at a stop (SIGTERM / SIGUSR1) or at
+the run's end (the producer's current call is not waited for: its result is dropped unscored and the engine's
+close cancels it) or lost with the process (kill -9); a resumed run produces them again from the same prompts
+and seeds (under its newer weights), so no prompt is trained twice or skipped and no step is skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,8 +53,6 @@ from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rollout.types import Rollout
 from megatron_gspo.training.rollout_buffer import RolloutBuffer, RolloutGroup, Taken, group_version
-
-log = logging.getLogger(__name__)
 
 BatchResult = tuple[list[RolloutGroup], dict]
 """A produced batch: this rank's scored groups and its statistics: reward_errors and `window`, the producer's
@@ -129,11 +128,14 @@ def produce_groups(trainer, step_seed: int) -> tuple[list[RolloutGroup], dict]:
     return groups, {"reward_errors": errors, "topup_rounds": float(rounds)}
 
 
-def produce_batch(trainer, scorer, index: int, items: list[PromptItem]) -> BatchResult:
+def produce_batch(trainer, scorer, stopped: threading.Event, index: int, items: list[PromptItem]) -> BatchResult:
     """Batch `index` of the global prompt order, in the producer thread: this rank's shard, generated with the
-    seed synchronous RL uses at step `index` (GSPOTrainer.produce, round 0), scored. No collectives."""
+    seed synchronous RL uses at step `index` (GSPOTrainer.produce, round 0), scored. No collectives. Once the
+    producer is `stopped` the batch would be dropped: it is not scored (the scorer may be closed by then)."""
     mine = trainer.rt.shard(items)
     rollouts = trainer.generate(mine, trainer.cfg.trainer.seed * 1_000_003 + index)
+    if stopped.is_set():
+        return [], {"reward_errors": 0.0, "window": (0, 0, None)}
     rewards = trainer.score(mine, rollouts, scorer)
     errors = float(scorer.last_metrics.get("reward_errors", 0.0))
     return scored_groups(mine, rollouts, rewards), {"reward_errors": errors, "window": scorer.take_window()}
@@ -146,8 +148,9 @@ def ahead_stage(trainer) -> AheadStage:
     sampler = PromptSampler(rt.train_data, cfg.trainer.prompts_per_step, seed=cfg.data.seed)
     sampler.load_state_dict(trainer.sampler.state_dict())
     scorer = trainer.scorer.sharing()  # its own counters: the main thread takes the trainer scorer's window
+    stopped = threading.Event()
     producer = RolloutProducer(
-        functools.partial(produce_batch, trainer, scorer),
+        functools.partial(produce_batch, trainer, scorer, stopped),
         sampler,
         first=trainer.rollout_batches,
         version=trainer.step,
@@ -155,6 +158,8 @@ def ahead_stage(trainer) -> AheadStage:
         ahead=r.engine != "local",  # the in-process engine samples from the training model: on demand only
         immediate_sync=r.mode == "async" and bool(getattr(rt.engine, "supports_partial_rollouts", False)),
         barrier=dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None,
+        device=rt.device,
+        stopped=stopped,
     )
     return AheadStage(
         producer, trainer.sampler, taken=trainer.rollout_batches, want=trainer.groups_per_rank,
@@ -165,15 +170,21 @@ def ahead_stage(trainer) -> AheadStage:
 
 class RolloutProducer:
     """A thread producing prompt batches ahead of the training stage (module doc). `produce(index, items)` makes
-    batch `index` from the global batch `items`; it runs in the thread and must use no collectives."""
+    batch `index` from the global batch `items`; it runs in the thread and must use no collectives. `device`: the
+    trainer's (made current in the thread); `stopped` is set by `close`."""
 
     def __init__(self, produce: Callable[[int, list[PromptItem]], BatchResult], sampler: PromptSampler, *,
                  first: int, version: int, lookahead: int, ahead: bool = True, immediate_sync: bool = False,
-                 barrier: Callable[[], None] | None = None, close_timeout_s: float = 30.0):
+                 barrier: Callable[[], None] | None = None, device: torch.device | None = None,
+                 stopped: threading.Event | None = None, close_timeout_s: float = 5.0):
         self._produce = produce
         self._sampler = sampler
         self._next = first
         self._version = version
+        self._taken = first  # batches the training stage has taken (T)
+        self._taken_at: int | None = None  # the weight version of the step that took the last one
+        self.device = device
+        self.stopped = stopped if stopped is not None else threading.Event()
         self._demand = first - 1
         self.lookahead = lookahead
         self.ahead = ahead
@@ -184,7 +195,6 @@ class RolloutProducer:
         self._cond = threading.Condition()
         self._generating = False
         self._turns = 0
-        self._stop = False
         self._error: BaseException | None = None
         self._times = {"time_producer_busy": 0.0, "time_producer_idle": 0.0, "time_wait_producer": 0.0,
                        "time_sync_wait": 0.0}
@@ -194,17 +204,25 @@ class RolloutProducer:
     def _may_start(self) -> bool:
         if self._turns:  # a weight sync or evaluation is waiting for the engine
             return False
-        return self._next <= self._demand or (self.ahead and self._next - self._version <= self.lookahead)
+        if self._next <= self._demand:
+            return True
+        # The step that takes the next batch: the current one (= the engine's version) unless it took its batches.
+        step = self._version + (self._taken_at == self._version)
+        return self.ahead and (self._next - self._taken) + (step - self._version) <= self.lookahead
 
     def _run(self) -> None:
         try:
+            if self.device is not None and self.device.type == "cuda":
+                # The current CUDA device is per thread and a new thread starts on device 0: without this, whatever
+                # generate / score put on "cuda" in this thread would land on device 0, another rank's GPU.
+                torch.cuda.set_device(self.device)
             while True:
                 with self._cond:
                     t0 = time.monotonic()
-                    while not (self._stop or self._may_start()):
+                    while not (self.stopped.is_set() or self._may_start()):
                         self._cond.wait()
                     self._times["time_producer_idle"] += time.monotonic() - t0
-                    if self._stop:
+                    if self.stopped.is_set():
                         return
                     index, self._generating = self._next, True
                     self._next += 1
@@ -240,13 +258,16 @@ class RolloutProducer:
             self._raise_error()
             if index not in self._ready:
                 raise RuntimeError(f"the rollout producer stopped before batch {index}")
+            self._taken, self._taken_at = max(self._taken, index + 1), self._version
+            self._cond.notify_all()  # a batch taken may let the producer run ahead
             return self._ready.pop(index)
 
     @contextlib.contextmanager
     def engine_turn(self, version: int | None = None) -> Iterator[None]:
         """The engine to the main thread: waits for the producer's current generate call and holds back the next
         one meanwhile. With `version`, a weight sync to it (at once when the engine continues in-flight
-        generations across it), after which the producer may run ahead of `version`."""
+        generations across it), after which the producer may run ahead of `version`. Once the producer is closed
+        nothing is waited for: its call's result is dropped (a server engine serves several callers at once)."""
         if version is not None and self.immediate_sync:
             yield
             self.advance(version)
@@ -254,7 +275,7 @@ class RolloutProducer:
         with self._cond:
             self._turns += 1
             t0 = time.monotonic()
-            while self._generating and self._error is None:
+            while self._generating and self._error is None and not self.stopped.is_set():
                 self._cond.wait(timeout=1.0)
             self._times["time_sync_wait"] += time.monotonic() - t0
         synced = False
@@ -290,14 +311,16 @@ class RolloutProducer:
         return times
 
     def close(self) -> None:
-        """Stops the producer after its current call (waited for up to close_timeout_s); unused batches go."""
+        """Stops the producer; unused batches go. An idle producer thread ends at once (waited for up to
+        close_timeout_s); a generate call in flight is not waited for: it is left to the daemon thread, its batch
+        is neither scored nor kept, and the engine's close cancels it (ServerEngine.close). The engines offer no
+        abort of one call from another thread."""
         with self._cond:
-            self._stop = True
+            self.stopped.set()
+            generating = self._generating
             self._cond.notify_all()
-        self._thread.join(timeout=self.close_timeout_s)
-        if self._thread.is_alive():
-            log.warning("the rollout producer's generate call did not end within %.0f s; left to its daemon thread",
-                        self.close_timeout_s)
+        if not generating:
+            self._thread.join(timeout=self.close_timeout_s)
 
 
 class AheadStage:

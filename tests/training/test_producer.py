@@ -20,6 +20,7 @@ from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rollout.types import Rollout
 from megatron_gspo.training.producer import AheadStage, RolloutProducer, scored_groups
+from megatron_gspo.training.rollout_buffer import RolloutGroup
 from tests.distributed import run_distributed
 
 DATA = [PromptItem(f"p{i}", "0") for i in range(400)]
@@ -214,3 +215,50 @@ def test_data_parallel_ranks_take_equal_batches_of_one_global_order_across_a_res
         # every prompt of the shard was trained or dropped (counted), none silently skipped
         assert len(shard) == len(trained) + ranks[rank]["dropped"]
     assert ranks[0]["sampler"] == {**oracle.state_dict()}
+
+
+class FlatFirstEngine(Engine):
+    """Batch 0 has no reward variance (every group flat: a dynamic-sampling top-up follows); the others vary."""
+
+    def produce(self, index: int, items: list[PromptItem]):
+        groups, stats = super().produce(index, items)
+        if index == 0:
+            groups = [RolloutGroup(g.item, g.rollouts, torch.zeros_like(g.rewards_G), g.weight_version) for g in groups]
+        else:
+            groups = [RolloutGroup(g.item, g.rollouts, torch.tensor([1.0, 0.0]), g.weight_version) for g in groups]
+        return groups, stats
+
+
+def test_a_top_up_does_not_eat_the_lookahead_one_step_off_stays_one_step_off():
+    engine = FlatFirstEngine()
+    stage = _stage(engine, None, 0, 1, lambda need: [need])
+    staleness = []
+    try:
+        for step in range(5):
+            taken, stats = stage.take(engine.version)
+            staleness.append(max(taken.staleness))
+            # one_step_off: the next batch starts under this step's weights, before the sync (give it the chance)
+            deadline = time.monotonic() + 2.0
+            while len(engine.started) <= stage.taken and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _sync(stage.producer, engine, step + 1)
+        assert stage.taken == 6, "batch 0 was not topped up: the test checks nothing"
+        assert staleness == [0, 1, 1, 1, 1]
+    finally:
+        stage.close()
+
+
+def test_closing_while_a_generate_call_is_in_flight_returns_at_once_and_an_evaluation_need_not_wait():
+    engine = Engine()
+    engine.gate = threading.Event()  # a slow generate call (a server engine's), held until released
+    producer = _producer(engine, 1)
+    try:
+        engine.in_call.wait(5)
+        producer.close()
+        with producer.engine_turn():  # the final evaluation
+            pass
+        assert producer._thread.is_alive(), "close / engine_turn waited for the discarded call to end"
+    finally:
+        engine.gate.set()
+    producer._thread.join(5)
+    assert not producer._thread.is_alive() and engine.started == [(0, 0)]  # the call's end starts nothing more
