@@ -23,7 +23,8 @@ Function per linear layer:
   they give each row what the per-expert calls gave it (megatron's `MLP.forward` order: glu, then
   `* per_token_scale[:, None]`, cast back to the activation dtype).
 tests/models/test_experts.py compares forward outputs and every gradient with megatron's own `SequentialMLP`
-bit for bit. Any other configuration runs megatron's loop unchanged.
+bit for bit. Any other configuration, or experts whose modules carry forward hooks (DDP overlap_param_gather),
+runs megatron's loop unchanged.
 """
 
 from __future__ import annotations
@@ -77,7 +78,15 @@ class ExpertLoop(SequentialMLP):
             and not getattr(c, "delay_wgrad_compute", False)
             and type(fc1).__name__ == "ColumnParallelLinear"
             and type(self.local_experts[0].linear_fc2).__name__ == "RowParallelLinear"
+            and not self._expert_module_hooks()
         )
+
+    def _expert_module_hooks(self) -> bool:
+        """Whether a module inside the experts carries forward hooks: megatron's DDP with overlap_param_gather
+        registers a forward pre-hook on every module to finish its bucket's parameter all-gather (and start the
+        next) in forward order; skipping the per-expert module calls would skip those hooks and break the
+        gather order (`assert self.param_gather_handle is None` in param_and_grad_buffer.start_param_sync)."""
+        return any(m._forward_pre_hooks or m._forward_hooks for e in self.local_experts for m in e.modules())
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self._lean():
