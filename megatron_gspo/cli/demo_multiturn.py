@@ -41,9 +41,8 @@ def write_transcripts(task_name: str, seed: int, sizes: dict[str, int], tool_sha
 def run_multiturn_demo(config: str | None, run_dir: Path, overrides: list[str], tool_share: float,
                        clear) -> dict:
     """SFT cold start, then GSPO with the calculator; returns the summary (and prints it)."""
+    from megatron_gspo.cli.cold_start import sft_then_rl
     from megatron_gspo.training.config import load_run_config
-    from megatron_gspo.training.sft import run_sft
-    from megatron_gspo.training.trainer import GSPOTrainer
 
     if not 0 <= tool_share <= 1:
         raise ValueError(f"--tool-share={tool_share} must be in [0, 1]")
@@ -56,15 +55,9 @@ def run_multiturn_demo(config: str | None, run_dir: Path, overrides: list[str], 
     task = cfg.data.train[len(TASK_PREFIX) :]
     files = write_transcripts(task, cfg.data.seed, {"train": cfg.data.train_size, "heldout": cfg.data.heldout_size},
                               tool_share, run_dir / "sft_data")
-    sft_cfg = load_run_config(path, [f"trainer.run_dir={run_dir}", f"data.train={files['train']}",
-                                     f"data.heldout={files['heldout']}", *overrides])
-    sft = run_sft(sft_cfg, out_dir=str(run_dir / "sft_model"))
-    rl_cfg = load_run_config(path, [f"trainer.run_dir={run_dir}", f"model.load={run_dir / 'sft_model'}", *overrides])
-    trainer = GSPOTrainer(rl_cfg)
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    sft, trainer, summary, rl_cfg = sft_then_rl(
+        path, run_dir, overrides, sft_overrides=[f"data.train={files['train']}", f"data.heldout={files['heldout']}"]
+    )
     if trainer.rt.is_logging_rank:
         rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
         before, after = rows[0], rows[-1]

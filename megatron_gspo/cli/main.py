@@ -81,10 +81,9 @@ def cmd_demo(args) -> int:
     """Cold-start SFT then GSPO on the embedded default (tiny Qwen3-MoE, 3-digit addition, CPU)."""
     import time
 
+    from megatron_gspo.cli.cold_start import sft_then_rl
     from megatron_gspo.training.config import load_run_config
     from megatron_gspo.training.runtime import configure_logging
-    from megatron_gspo.training.sft import run_sft
-    from megatron_gspo.training.trainer import GSPOTrainer
 
     configure_logging()
     run_dir = Path(args.run_dir)
@@ -95,17 +94,10 @@ def cmd_demo(args) -> int:
                            lambda d: _clear_demo(d, args.overwrite))
         return 0
     start = time.time()
-    cfg = load_run_config(args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", *args.overrides])
+    # A bad config fails before the run directory is cleared.
+    load_run_config(args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", *args.overrides])
     _clear_demo(run_dir, args.overwrite)
-    sft = run_sft(cfg, out_dir=str(run_dir / "sft_model"))
-    rl_cfg = load_run_config(
-        args.config or DEMO_CONFIG, [f"trainer.run_dir={run_dir}", f"model.load={run_dir / 'sft_model'}", *args.overrides]
-    )
-    trainer = GSPOTrainer(rl_cfg)
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    sft, trainer, summary, rl_cfg = sft_then_rl(args.config or DEMO_CONFIG, run_dir, args.overrides)
     if trainer.rt.is_logging_rank:
         total = time.time() - start
         print(

@@ -75,6 +75,20 @@ class RecordingEngine:
         return outs
 
 
+def teacher_forced_logprobs(model, rollouts, vocab_size: int) -> list[torch.Tensor]:
+    """The model's fp64 log-probs of each trajectory's response tokens, teacher-forced on the whole trajectory in
+    one forward (no inference context): what the engine's per-turn log-probs must equal."""
+    model.eval()
+    forced = []
+    with torch.no_grad():
+        for r in rollouts:
+            ids = r.prompt_ids + r.response_ids[:-1]
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, :vocab_size]
+            logp = torch.log_softmax(logits.double(), -1)[len(r.prompt_ids) - 1 :]
+            forced.append(logp.gather(-1, torch.tensor(r.response_ids)[:, None]).squeeze(-1))
+    return forced
+
+
 def _as_data(rollouts):
     return [dict(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs, loss_mask=r.loss_mask,
                  finish_reason=r.finish_reason, extra=dict(r.extra), routed=r.routed_experts) for r in rollouts]
@@ -105,15 +119,7 @@ def _engine_rank():
         out["calls"] = [(p, s.n, s.max_new_tokens, s.stop_token_ids, _as_data(o)) for p, s, o in engine.calls]
         out["metrics"] = dict(mt.last_metrics)
         # The training model's log-probs of each whole trajectory, teacher-forced (no inference context).
-        model.eval()
-        forced = []
-        with torch.no_grad():
-            for r in rollouts:
-                ids = r.prompt_ids + r.response_ids[:-1]
-                logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, : cfg.vocab_size]
-                logp = torch.log_softmax(logits.double(), -1)[len(r.prompt_ids) - 1 :]
-                forced.append(logp.gather(-1, torch.tensor(r.response_ids)[:, None]).squeeze(-1))
-        out["forced"] = forced
+        out["forced"] = teacher_forced_logprobs(model, rollouts, cfg.vocab_size)
 
         # Limits: one turn at most, and a token budget a second turn cannot fit into.
         one = MultiTurnRollouts(engine, tok, EchoEnv, MultiTurnConfig(env="echo", max_turns=1, max_total_tokens=24))

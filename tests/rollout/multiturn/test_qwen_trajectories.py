@@ -14,7 +14,7 @@ from megatron_gspo.rollout.multiturn import MultiTurnConfig, MultiTurnRollouts
 from megatron_gspo.rollout.multiturn.calculator import CALC_TOOL
 from megatron_gspo.rollout.types import SamplingParams
 from tests.distributed import run_distributed
-from tests.rollout.multiturn.test_driver import RecordingEngine
+from tests.rollout.multiturn.test_driver import RecordingEngine, teacher_forced_logprobs
 
 OBS = tool_results_text(["408"]) + generation_prompt(enable_thinking=False)
 
@@ -56,14 +56,7 @@ def _rank():
         mt = MultiTurnRollouts(engine, tok, ToolResponseEnv, MultiTurnConfig(env="x", max_turns=3,
                                                                             max_total_tokens=60))
         rollouts = mt.generate([item], prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3))
-        model.eval()
-        forced = []
-        with torch.no_grad():
-            for r in rollouts:
-                ids = r.prompt_ids + r.response_ids[:-1]
-                logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, : cfg.vocab_size]
-                logp = torch.log_softmax(logits.double(), -1)[len(r.prompt_ids) - 1 :]
-                forced.append(logp.gather(-1, torch.tensor(r.response_ids)[:, None]).squeeze(-1))
+        forced = teacher_forced_logprobs(model, rollouts, cfg.vocab_size)
         calls = [([list(p) for p in ps], [(o.response_ids, o.logprobs) for o in outs]) for ps, _, outs in engine.calls]
         return dict(prompt=prompts[0], calls=calls, forced=forced, stop_ids=engine.calls[0][1].stop_token_ids,
                     rollouts=[(r.response_ids, r.logprobs, r.loss_mask, r.extra) for r in rollouts])
