@@ -9,6 +9,7 @@ exporter). Server and trainer get one OpenMP thread each (the machine's 2 cores 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -121,7 +122,7 @@ def test_preempted_requests_keep_their_routes(server):
     """capture_routes under preemption: vLLM drops a preempted request's KV and forwards it again from token 0
     when it resumes (Scheduler._preempt_request; /reset_prefix_cache?reset_running_requests=true takes that path
     for every running request, the same as running out of KV blocks). Every token's routes must still be the
-    model's own top-k for that token (transformers, fp32), and the engine's leftover routes are dropped.
+    model's own top-k for that token (transformers, fp32), and the call's leftover routes are dropped.
     First in the module: the server still holds the HF directory's weights (the next test updates them)."""
     from transformers import Qwen3MoeForCausalLM
 
@@ -130,7 +131,11 @@ def test_preempted_requests_keep_their_routes(server):
 
     url = server.server_urls[0]
     k = server.config.moe_topk
-    leftover = f"{server._run_id}-leftover"  # an attempt nobody pops (aborted / retried)
+    # An attempt of the coming generate call that nobody pops (aborted / retried): the call's end drops it. Only
+    # that call's leftovers go: another thread's call may still be running (partial rollouts).
+    call = next(server._call_ids)
+    server._call_ids = itertools.count(call)
+    leftover = f"{server._run_id}-{call}-leftover"
     _post(url, "/inference/v1/generate", build_generate_request([3, 4, 5], SamplingParams(), rid=leftover, seed=0))
     before = _preemptions(url)
     done = threading.Event()

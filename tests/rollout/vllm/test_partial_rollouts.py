@@ -120,6 +120,9 @@ def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = MIN_T
     from megatron_gspo.rollout.types import SamplingParams
 
     url = engine.server_urls[0]
+    # Read before the generation starts: the update must reach the server while the samples still run (reading the
+    # checkpoint at the update took long enough on a quiet CI machine for every sample to finish first).
+    tensors = list(_checkpoint_tensors(weights))
     before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
     result: dict = {}
 
@@ -143,7 +146,7 @@ def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = MIN_T
         assert producer.is_alive() and time.monotonic() < deadline, f"no generation to update under: {m}"
         time.sleep(0.02)
     assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
-    engine._exporter = lambda chunks: _checkpoint_tensors(weights)
+    engine._exporter = lambda chunks: iter(tensors)
     engine.update_weights([], version=engine.weight_version + 1)
     producer.join(timeout=300)
     assert not producer.is_alive()
@@ -239,7 +242,7 @@ def test_without_partial_rollouts_samples_in_flight_start_again_under_the_new_we
     try:
         assert not engine.supports_partial_rollouts
         new = engine.weight_version + 1
-        rollouts, _ = _generate_across_an_update(engine, dirs[0])
+        rollouts, _ = _generate_across_an_update(engine, dirs[0], min_tokens=8)
     finally:
         engine.close()
     assert max(r.extra["attempts"] for r in rollouts) > 1  # some samples were aborted by the sync
