@@ -1,5 +1,9 @@
 """A fake SGLang server for tests: SGLang 0.5.x's native HTTP shapes (REFERENCE.md §4) and its failure modes.
 
+A stand-in because SGLang's server cannot run on this CPU host (it needs CUDA; REFERENCE.md §4, §6): what of SGLang can
+run here runs for real in test_conformance.py (its request types, tokenizer manager and init_custom_process_group
+over gloo, from .venv-sglang-conformance); this fake serves the HTTP side around them.
+
 In-process: `FakeSGLang(...).start()` serves an aiohttp app from a background thread (own event loop) on
 127.0.0.1:<free port>, behaving as a server started with --skip-tokenizer-init --enable-return-routed-experts
 --enable-memory-saver --enable-deterministic-inference of release `version`. As a subprocess (launch-mode tests):

@@ -1,5 +1,6 @@
 """SGLang weight sync against fake servers: the file protocol (disk, shm) and the distributed (NCCL-shaped) one,
-in both of SGLang's weight-update protocols (with and without /begin_weight_update, versions.py)."""
+in both of SGLang's weight-update protocols (with and without /begin_weight_update, versions.py). Fake servers
+because SGLang's server needs a GPU (tests/rollout/sglang/fake_server.py says what they copy from its source)."""
 
 from __future__ import annotations
 
