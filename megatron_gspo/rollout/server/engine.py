@@ -83,7 +83,7 @@ class ServerEngine:
         *,
         initial_version: int = 0,
         leader: bool = True,
-        barrier: Callable[[], None] | None = None,
+        barrier: Callable[..., bool] | None = None,
         replica: ReplicaGroup | None = None,
     ):
         """Starts (launch mode) or checks (attach mode) the servers and waits until all are healthy.
@@ -91,8 +91,10 @@ class ServerEngine:
         `exporter` turns the trainer's model chunks into named HF tensors for `update_weights`;
         `initial_version` is the version of the weights the servers hold at start (e.g. a resumed step).
         A follower (`leader=False`, attach mode: the leader's URLs) only generates; its `update_weights` runs the
-        exporter for its collectives. `barrier` (all trainer ranks) ends every `update_weights`. `replica`: this
-        rank's model replica, whose one source rank generates for all (None: this rank generates for itself).
+        exporter for its collectives. `barrier(ok) -> whether every rank was ok` (all trainer ranks; `ok`
+        defaults to True) ends every `update_weights`: a follower takes the new version only once the leader's
+        push succeeded (`all_ranks_ok`, server/factory.py). `replica`: this rank's model replica, whose one
+        source rank generates for all (None: this rank generates for itself).
         """
         if not leader and config.mode != "attach":
             raise ValueError(
@@ -489,20 +491,48 @@ class ServerEngine:
         with self._update_lock:
             self._check_version(version)  # before the exporter starts its collectives on every rank
             named_tensors = self._exporter(model_chunks)
-            try:
-                if self.leader:
+            if self.leader:
+                ok = False
+                try:
                     try:
                         self._push_weights(named_tensors, version)
                     except Exception:
                         drain(named_tensors)  # keep the other ranks' collectives matched before the barrier
                         raise
-                else:
-                    for _ in named_tensors:  # the exporter's collectives need every rank
-                        pass
-                    self.weight_version = version
+                    ok = True
+                finally:
+                    if self._barrier is not None:
+                        self._barrier(ok)
+                return
+            self._follow_push(named_tensors, version)
+
+    def _follow_push(self, named_tensors: Iterable[NamedTensor] | Mapping[str, Any], version: int) -> None:
+        """A follower's side of a weight sync: the exporter run for its collectives, then the barrier, which ends
+        after the leader's push. Only then is `version` this engine's: a follower whose exporter ends first (a
+        pure data-parallel rank exports nothing) would otherwise count its samples sent meanwhile against weights
+        the servers do not hold yet (retried as stale), and its partial rollouts continuing under `version`
+        before the push ended are allowed by `_pushing`, as on the leader."""
+        self._pushing = version
+        try:
+            ok = False
+            try:
+                for _ in named_tensors:  # the exporter's collectives need every rank
+                    pass
+                ok = True
             finally:
-                if self._barrier is not None:
-                    self._barrier()
+                agreed = self._barrier(ok) if self._barrier is not None else ok
+            if not agreed:
+                raise ServerError(
+                    f"the weight sync to version {version} failed on another rank (its error says why); "
+                    f"the {self.kind} servers hold unknown weights"
+                )
+            self.weight_version = version  # before `_pushing` is cleared, as in `_push_weights`
+            self._failed_version = None
+        except BaseException:
+            self._failed_version = version  # generation refused until a sync succeeds, as on the leader
+            raise
+        finally:
+            self._pushing = None
 
     def _check_version(self, version: int) -> None:
         if not isinstance(version, int) or version < self.weight_version:

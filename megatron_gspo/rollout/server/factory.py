@@ -50,7 +50,7 @@ def make_server_engine(
     shared: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            engine = engine_cls(cfg, exporter, barrier=dist.barrier, replica=replica, **engine_kwargs)
+            engine = engine_cls(cfg, exporter, barrier=all_ranks_ok, replica=replica, **engine_kwargs)
         except BaseException as e:
             dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
             raise
@@ -63,8 +63,18 @@ def make_server_engine(
     server_urls, generate_urls = shared[0]
     follower = engine_cls.follower_config(cfg, server_urls, generate_urls)
     return engine_cls(
-        follower, exporter, leader=False, barrier=dist.barrier, replica=replica, **engine_kwargs
+        follower, exporter, leader=False, barrier=all_ranks_ok, replica=replica, **engine_kwargs
     )
+
+
+def all_ranks_ok(ok: bool = True) -> bool:
+    """A barrier of every trainer rank that also says whether every rank reached it `ok` (the end of a weight
+    sync: followers take the new version only when the leader's push succeeded)."""
+    import torch.distributed as dist
+
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(ok))
+    return all(flags)
 
 
 def reachable(urls: list[str]) -> list[str]:

@@ -8,6 +8,9 @@ version's log-prob given exactly the tokens before it), and each routed-experts 
 sampled the token it predicts. Pairing every row with the final version instead (the routes a continuation's
 prefill would report) must fail the same check.
 
+Two data-parallel ranks (gloo) share the server as a training run's engines do: the leader pushes while the
+follower's samples continue, and every rank takes the new version only once the servers hold it.
+
 One server for the module (the tiny Qwen3-MoE, random weights written by transformers; no downloads); one OpenMP
 thread (the machine's 2 cores are shared).
 """
@@ -17,13 +20,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -113,16 +118,18 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = MIN_TOKENS):
-    """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`) from this
-    thread once every sample is running and at least `min_tokens` tokens each were sampled. Returns the rollouts
-    and the server's token count at the update."""
+def _generate_across_an_update(engine, weights: Path | None, *, min_tokens: int = MIN_TOKENS,
+                               ready: Callable[[], None] = lambda: None, version: int | None = None):
+    """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`; None: a
+    follower's export, which yields nothing) from this thread once every sample is running and at least
+    `min_tokens` tokens each were sampled, and `ready()` returned. Returns the rollouts and the server's token
+    count at the update."""
     from megatron_gspo.rollout.types import SamplingParams
 
     url = engine.server_urls[0]
     # Read before the generation starts: the update must reach the server while the samples still run (reading the
     # checkpoint at the update took long enough on a quiet CI machine for every sample to finish first).
-    tensors = list(_checkpoint_tensors(weights))
+    tensors = list(_checkpoint_tensors(weights)) if weights is not None else []
     before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
     result: dict = {}
 
@@ -147,7 +154,8 @@ def _generate_across_an_update(engine, weights: Path, *, min_tokens: int = MIN_T
         time.sleep(0.02)
     assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
     engine._exporter = lambda chunks: iter(tensors)
-    engine.update_weights([], version=engine.weight_version + 1)
+    ready()
+    engine.update_weights([], version=engine.weight_version + 1 if version is None else version)
     producer.join(timeout=300)
     assert not producer.is_alive()
     if "error" in result:
@@ -338,3 +346,103 @@ def test_multi_turn_routes_stitched_per_turn_across_weight_updates_between_turns
             print(f"trajectory {i}: route turns {r.extra['route_turns']}; the last turn's record is wrong on "
                   f"{len(wrong)} rows of earlier versions")
     assert spanning >= 2, "too few multi-turn trajectories to test anything; change the seed"
+
+
+def _tag_spy():
+    """VLLMEngine that records, whenever its weight_version changes after start-up, what the servers hold then."""
+    from megatron_gspo.rollout.vllm.engine import VLLMEngine
+
+    class TagSpy(VLLMEngine):
+        @property
+        def weight_version(self) -> int:
+            return self.__dict__["_tag"]
+
+        @weight_version.setter
+        def weight_version(self, value: int) -> None:
+            old = self.__dict__.get("_tag")
+            self.__dict__["_tag"] = value
+            if old is not None and value != old:
+                self.__dict__.setdefault("seen", []).append((value, self._run(self._weight_versions())))
+
+    return TagSpy
+
+
+def _ranks_across_a_push(url: str, weights: str, start: int, capture: dict) -> dict:
+    """Rank 0 leads (pushes `weights`), rank 1 follows: a pure data-parallel rank, to which the HF export gives
+    nothing (iter_hf_tensors(dst=0) there); both built as a training run builds them (make_server_engine). First a
+    push that fails on the leader (its export breaks before the servers are touched) and the same version again;
+    then the next one while the follower's samples run (they continue under the new weights)."""
+    import torch.distributed as dist
+
+    from megatron_gspo.rollout.server.factory import make_server_engine
+    from megatron_gspo.rollout.types import SamplingParams
+    from megatron_gspo.rollout.vllm.config import VLLMConfig
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tensors = list(_checkpoint_tensors(Path(weights))) if rank == 0 else []
+
+    def broken(chunks):
+        yield from tensors[:3]
+        if rank == 0:
+            raise RuntimeError("export broke")
+
+    # max_retries=0: a sample retried as stale (sent under a version the servers did not hold yet) fails the call
+    cfg = VLLMConfig(mode="attach", urls=[url], max_retries=0, **capture)
+    engine = make_server_engine(_tag_spy(), cfg, types.SimpleNamespace(dtype=torch.float32), exporter=broken,
+                                initial_version=start)
+    out: dict = {}
+    try:
+        assert engine.supports_partial_rollouts
+        try:
+            engine.update_weights([], version=start + 1)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            out["failed"] = f"{type(e).__name__}: {e}"
+        out["after_failure"] = engine.weight_version
+        if rank == 1:
+            try:
+                engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2))
+            except Exception as e:  # noqa: BLE001
+                out["refused"] = str(e)
+        engine._exporter = lambda chunks: iter(tensors)
+        engine.update_weights([], version=start + 1)  # generation is refused until a sync succeeded
+        if rank == 1:
+            rollouts, _ = _generate_across_an_update(engine, None, min_tokens=8, ready=dist.barrier)
+            out["rollouts"] = [(r.versions, r.finish_reason, len(r.response_ids)) for r in rollouts]
+        else:
+            dist.barrier()  # the follower's samples are running
+            engine.update_weights([], version=start + 2)
+        out["version"] = engine.weight_version
+        out["seen"] = engine.__dict__.get("seen", [])
+    finally:
+        engine.close()
+    return out
+
+
+def test_data_parallel_ranks_take_a_new_version_only_after_the_leaders_push(server, models):
+    """A follower rank used to take the new weight_version as soon as its own export ended, before the leader's
+    push: samples it sent meanwhile counted against weights the servers did not hold yet (retried as stale), and
+    a push failed on the leader still moved the follower's version. Every rank's tag must change only once the
+    servers hold that version; a failed push fails every rank's sync; the follower's samples in flight continue
+    across the push without a retry. Last in the module: it moves the server past the fixture engine's version."""
+    config, dirs = models
+    cfg = server.config
+    start = server.weight_versions()[0]
+    capture = dict(capture_routes=True, num_experts=cfg.num_experts, num_moe_layers=cfg.num_moe_layers,
+                   moe_topk=cfg.moe_topk)
+    leader, follower = run_distributed(_ranks_across_a_push, server.server_urls[0], str(dirs[0]), start, capture,
+                                       timeout=600)
+    # Each tag change, on either rank, found the servers already at that version.
+    pushed = [(start + 1, [start + 1]), (start + 2, [start + 2])]
+    assert leader["seen"] == follower["seen"] == pushed, (leader["seen"], follower["seen"])
+    assert leader["failed"] == "RuntimeError: export broke"
+    failed = follower.get("failed", "")
+    assert failed.startswith(f"ServerError: the weight sync to version {start + 1} failed on another rank"), failed
+    assert "\n" not in failed
+    assert leader["after_failure"] == follower["after_failure"] == start
+    assert "call update_weights again" in follower["refused"]
+    assert leader["version"] == follower["version"] == start + 2 == server.weight_versions()[0]
+    for versions, finish, length in follower["rollouts"]:
+        assert finish == "length" and length == MAX_NEW_TOKENS, (finish, length)
+        switch = versions.index(start + 2) if start + 2 in versions else -1
+        assert 0 < switch and versions == [start + 1] * switch + [start + 2] * (length - switch), versions
