@@ -1,6 +1,7 @@
 """Synchronous vs one-step-off vs asynchronous GSPO on the real vLLM CPU server, on a length-skewed task, in one run.
 
     .venv/bin/python tools/bench_async.py [--budget-s 240] [--seeds 1 2 3] [--rounds 1] [--run-dir runs/bench_async]
+        [--modes sync one_step_off async trl]
 
 One vLLM server (the tiny Qwen3-MoE, .venv-vllm) serves every run; each run is a `megatron-gspo train` process
 that attaches to it (pushing its own initial weights first) and trains examples/tiny_moe_gspo.yaml on the
@@ -14,7 +15,16 @@ process + server, within the budget) beside wall seconds, and response tokens pe
 with other jobs the CPU a run gets varies, this less so); then each mode's ratios to sync measured in the same
 run.
 
-The machine's load is printed first (`uptime`): figures from a loaded machine are marked as such.
+`trl` (`make bench-env` first) is TRL 1.16's GRPOTrainer as GSPO (importance_sampling_level="sequence"; set up
+by tools/bench_vs_trl.py, whose docstring says how its settings map to ours) on the same task, reward function,
+model configuration, sizes (16 prompts x 4 answers per RL step, K=2 minibatch updates, up to 256 new tokens)
+and optimiser settings, in its own environment: synchronous, generating in-process with transformers'
+`generate` on one thread (no vLLM server: its CPU seconds are all its process's), old log-probs recomputed. Its
+run alternates with ours in every round and gets the same wall budget, from the end of its first RL step; RL
+steps ending within the budget count (its own process stops itself at the next step's end).
+
+The machine's load is printed first and last (`uptime`): when it exceeds the machine's cores, the table says
+the figures were measured under load and are unreliable.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_vs_trl import trl_trainer, write_spec  # tools/ is sys.path[0] when this runs as a script
+from bench_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -140,17 +153,89 @@ def run(mode: str, seed: int, url: str, budget_s: float, run_dir: Path, server_p
             "response_length": statistics.mean(arrivals[s][1]["response_length"] for s in steps) if steps else 0}
 
 
+def worker_trl(spec: dict, args) -> dict:
+    """One TRL run (module docstring), in the TRL environment: trains until the first RL step that ends past
+    `args.budget_s` after the first one; measures what the budget window held, with the same keys as `run`."""
+    import threading
+
+    from transformers import TrainerCallback
+
+    k, per_step = spec["minibatches"], spec["prompts_per_step"] * spec["group_size"]
+    ends: list[tuple[float, float]] = []  # (wall, process CPU) at the end of each RL step
+    logged: list[tuple[float, float]] = []  # (mean response tokens, mean reward) of each RL step
+    at_budget: list[tuple[float, float]] = []
+
+    def budget_over() -> None:
+        at_budget.append((time.perf_counter(), time.process_time()))
+
+    class Budget(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            if state.global_step % k:
+                return
+            ends.append((time.perf_counter(), time.process_time()))
+            if len(ends) == 1:  # the budget starts at the end of the first RL step, as for ours
+                timer = threading.Timer(args.budget_s, budget_over)
+                timer.daemon = True
+                timer.start()
+            elif at_budget:
+                control.should_training_stop = True
+
+        def on_log(self, targs, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                logged.append((float(logs["completions/mean_length"]), float(logs["reward"])))
+
+    spec = {**spec, "seed": args.seed}
+    trainer = trl_trainer(spec, work=args.work, threads=1, max_steps=k * 100_000, callbacks=[Budget()])
+    trainer.train()
+    (t0, cpu0), (t1, cpu1) = ends[0], at_budget[0]
+    steps = [i for i in range(1, len(ends)) if ends[i][0] <= t1]
+    tokens = sum(logged[i][0] * per_step for i in steps)
+    wall, cpu = t1 - t0, cpu1 - cpu0
+    last = [logged[i][1] for i in steps[-3:]] or [logged[0][1]]
+    return {"tokens_per_s": tokens / wall, "steps_per_s": len(steps) / wall, "reward": statistics.mean(last),
+            "tokens_per_cpu_s": tokens / max(cpu, 1e-9), "wall_s": wall, "cpu_s": cpu, "trainer_cpu_s": cpu,
+            "server_cpu_s": 0.0, "steps": len(steps), "staleness": 0.0,
+            "response_length": statistics.mean(logged[i][0] for i in steps) if steps else 0.0}
+
+
+def run_trl(seed: int, budget_s: float, spec_path: Path, trl_python: str, work: Path) -> dict:
+    """A TRL run in a fresh process of its own environment (worker_trl)."""
+    cmd = [trl_python, str(Path(__file__).resolve()), "--worker", "trl", "--spec", str(spec_path),
+           "--seed", str(seed), "--budget-s", str(budget_s), "--work", str(work)]
+    out = run_worker(cmd, "trl", env={**os.environ, "OMP_NUM_THREADS": "1"}, error_lines=5)
+    if "error" in out:
+        raise RuntimeError(f"trl seed {seed} failed: {out['error']}")
+    return out
+
+
+def _loaded() -> bool:
+    """Whether the machine's 1-minute load average is at least its number of cores."""
+    return os.getloadavg()[0] >= (os.cpu_count() or 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=240.0, help="wall seconds per run after its first step")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=[*MODES, "trl"], choices=[*MODES, "trl"])
     parser.add_argument("--run-dir", default="runs/bench_async")
+    parser.add_argument("--trl-python", default=str(ROOT / ".bench-env" / "bin" / "python"))
+    parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    run_dir = Path(args.run_dir)
+    if args.worker:
+        print(json.dumps(worker_trl(json.loads(Path(args.spec).read_text()), args)), flush=True)
+        return
+    if "trl" in args.modes and not Path(args.trl_python).exists():
+        sys.exit(f"{args.trl_python} does not exist: run `make bench-env` first (or leave trl out of --modes)")
+    run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    loaded = _loaded()
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
+    spec_path = write_spec(run_dir, COMMON) if "trl" in args.modes else None
     engine, server_pid = start_server(run_dir / "server")
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     try:
@@ -158,13 +243,18 @@ def main() -> None:
             for i, seed in enumerate(args.seeds):
                 shift = (r + i) % len(args.modes)  # alternate which mode goes first
                 for mode in args.modes[shift:] + args.modes[:shift]:
-                    res = run(mode, seed, engine.server_urls[0], args.budget_s, run_dir, server_pid)
+                    if mode == "trl":
+                        res = run_trl(seed, args.budget_s, spec_path, args.trl_python, run_dir)
+                    else:
+                        res = run(mode, seed, engine.server_urls[0], args.budget_s, run_dir, server_pid)
                     results[mode].append(res)
                     print(f"round {r} seed {seed} {mode:<12} " + " ".join(
                         f"{k}={v:.3g}" for k, v in res.items()), flush=True)
     finally:
         engine.close()
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    if loaded or _loaded():
+        print(f"MEASURED UNDER LOAD (load average >= {os.cpu_count()} cores): the figures below are unreliable")
     keys = ("tokens_per_s", "steps_per_s", "reward", "cpu_s", "wall_s", "tokens_per_cpu_s", "staleness",
             "response_length")
     print(f"\n{'mode':<13}" + "".join(f"{k:>26}" for k in keys))

@@ -7,8 +7,8 @@ One RL step = rollout of a batch (P prompts x G=8 responses of at most 6 tokens)
 Both sides get the same model configuration (our preset's HF `Qwen3MoeConfig`; TRL builds a random
 `Qwen3MoeForCausalLM` from it locally), the same prompts and answers (our `task:add3` training split, in our
 order), the same character vocabulary (a `tokenizers` WordLevel tokenizer with our ids: pad 0, eos 1, then
-"0123456789+-*="), the same sampling (temperature 1, no top-k / top-p, stop at eos), the same reward (exact
-match), the same optimiser settings (Adam, lr 1e-4 with 10 warm-up steps, beta2 0.99, grad-clip 1) and thread
+"0123456789+-*="), the same sampling (temperature 1, no top-k / top-p, stop at eos), the same reward (our
+exact_match function, called by TRL too), the same optimiser settings (Adam, lr 1e-4 with 10 warm-up steps, beta2 0.99, grad-clip 1) and thread
 count. TRL (trl==1.16.0, read in `trl/trainer/grpo_trainer.py` and `grpo_config.py`) is configured as:
 
   importance_sampling_level="sequence"  s_i = exp(mean_t log-ratio), GSPO Eq. 7
@@ -95,6 +95,7 @@ def write_spec(work: Path, overrides: list[str]) -> Path:
         clip_low=loss.clip_low,
         clip_high=loss.clip_high,
         seed=cfg.trainer.seed,
+        reward=cfg.data.reward,
     )
     if (spec["clip_low"], spec["clip_high"]) != (GSPO["clip_low"], GSPO["clip_high"]):
         print(f"note: clip range {spec['clip_low']} / {spec['clip_high']} (not the paper's)", file=sys.stderr)
@@ -167,14 +168,28 @@ def _trl_tokenizer(alphabet: str):
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
-def worker_trl(spec: dict, args) -> dict:
-    """TRL's GRPOTrainer as GSPO (module docstring), timed at the end of every K-th optimizer step."""
+def trl_reward(name: str):
+    """Our reward `name` (rewards/ registry) as a TRL reward function: the same code scores both sides."""
+    from megatron_gspo.rewards import get_reward  # the repository is on PYTHONPATH (bench_worker.run_worker)
+
+    fn = get_reward(name)
+
+    def reward(prompts, completions, answer, **kwargs):
+        return [fn(c, a, {}) for c, a in zip(completions, answer)]
+
+    reward.__name__ = name  # TRL names the logged reward after the function
+    return reward
+
+
+def trl_trainer(spec: dict, *, work: str, threads: int, max_steps: int, callbacks: list):
+    """TRL's GRPOTrainer as GSPO on the setting of `spec` (module docstring), stopping after `max_steps`
+    optimizer steps (K per RL step), logging once per RL step; the spec's reward, scored by our own function."""
     import torch
     from datasets import Dataset
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     torch.manual_seed(spec["seed"])
     tokenizer = _trl_tokenizer(spec["alphabet"])
     hf = dict(spec["hf_config"])
@@ -185,17 +200,12 @@ def worker_trl(spec: dict, args) -> dict:
     dataset = Dataset.from_list(spec["prompts"])
     k, g = spec["minibatches"], spec["group_size"]
     per_step = spec["prompts_per_step"] * g  # sequences per rollout batch
-    total = args.warmup + args.steps
-
-    def exact_match(prompts, completions, answer, **kwargs):
-        return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
-
     config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl"),
+        output_dir=str(Path(work) / "trl"),
         use_cpu=True,
         bf16=False,
         seed=spec["seed"],
-        max_steps=k * total,
+        max_steps=max_steps,
         per_device_train_batch_size=per_step // k,
         gradient_accumulation_steps=1,
         steps_per_generation=k,
@@ -223,6 +233,21 @@ def worker_trl(spec: dict, args) -> dict:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=trl_reward(spec["reward"]),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+def worker_trl(spec: dict, args) -> dict:
+    """TRL's GRPOTrainer as GSPO (module docstring), timed at the end of every K-th optimizer step."""
+    from transformers import TrainerCallback
+
+    k = spec["minibatches"]
     stamps: list[float] = []
     lengths: list[float] = []
 
@@ -235,14 +260,8 @@ def worker_trl(spec: dict, args) -> dict:
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=exact_match,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Stamp()],
-    )
+    trainer = trl_trainer(spec, work=args.work, threads=args.threads, max_steps=k * (args.warmup + args.steps),
+                          callbacks=[Stamp()])
     trainer.train()
     length = statistics.fmean(lengths[args.warmup :]) if lengths[args.warmup :] else float("nan")
     return dict(variant="trl", **_step_times(stamps, args.warmup), response_length=length)
