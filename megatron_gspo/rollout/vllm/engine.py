@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -45,9 +46,9 @@ import torch
 
 from megatron_gspo.rollout.server import nccl_versions
 from megatron_gspo.rollout.server.buckets import NamedTensor, dtype_name, iter_buckets, with_last
-from megatron_gspo.rollout.server.concurrency import all_or_first_error, in_daemon_thread
+from megatron_gspo.rollout.server.concurrency import all_or_first_error, gather_or_cancel, in_daemon_thread
 from megatron_gspo.rollout.server.engine import Exporter, ServerEngine, drain
-from megatron_gspo.rollout.server.errors import ServerResponseError
+from megatron_gspo.rollout.server.errors import RETRYABLE_STATUSES, ServerHTTPError, ServerResponseError
 from megatron_gspo.rollout.server.factory import default_exporter, make_server_engine
 from megatron_gspo.rollout.server.transport import SHM_ROOT, remove_dir, transport_root, write_checkpoint_dir
 from megatron_gspo.rollout.types import Rollout, SamplingParams
@@ -63,6 +64,8 @@ from megatron_gspo.rollout.vllm.protocol import (
     decode_routed_experts,
     parse_weight_version,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMEngine(ServerEngine):
@@ -247,7 +250,7 @@ class VLLMEngine(ServerEngine):
         keep = self._continues_in_flight()
         pause = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=abort&clear_cache=true"
         await self._call_all(pause)
-        await self._call_all("/start_weight_update", **wait)
+        await gather_or_cancel(*(self._start_weight_update(url) for url in self.server_urls))
         if cfg.weight_transport == "nccl":
             await self._push_nccl(buckets)
         else:
@@ -269,6 +272,24 @@ class VLLMEngine(ServerEngine):
             )
         if previous is not None and previous != self._version_dir:
             remove_dir(previous)
+
+    async def _start_weight_update(self, url: str) -> None:
+        """/start_weight_update on one server. A trainer killed between /start_weight_update and
+        /finish_weight_update (kill -9, preemption) leaves an attached server inside that update, and vLLM refuses a
+        new one ('already active'; gpu_worker.py `_start_weight_update`): the resumed run's first sync would fail.
+        That update is finished first (its version label is not set); whatever it loaded is overwritten by this
+        push, which sends every tensor, before the servers resume."""
+        wait = {"timeout_s": self.config.weight_sync_timeout_s}
+        try:
+            # vLLM answers a worker's refusal with 500: not retried (the other transient statuses are)
+            await self._client.call(url, "/start_weight_update", retry_statuses=RETRYABLE_STATUSES - {500}, **wait)
+            return
+        except ServerHTTPError as e:
+            if "already active" not in e.body:
+                raise
+        logger.warning("%s was left inside a weight update (a trainer killed mid-sync?): finishing it first", url)
+        await self._client.call(url, "/finish_weight_update", {}, **wait)
+        await self._client.call(url, "/start_weight_update", **wait)
 
     async def _push_nccl(self, buckets: Iterable[list[NamedTensor]]) -> None:
         """vLLM's NCCL engine: per bucket one /update_weights while the tensors are broadcast from rank 0."""

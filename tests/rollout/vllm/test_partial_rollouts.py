@@ -17,6 +17,7 @@ thread (the machine's 2 cores are shared).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -346,6 +347,52 @@ def test_multi_turn_routes_stitched_per_turn_across_weight_updates_between_turns
             print(f"trajectory {i}: route turns {r.extra['route_turns']}; the last turn's record is wrong on "
                   f"{len(wrong)} rows of earlier versions")
     assert spanning >= 2, "too few multi-turn trajectories to test anything; change the seed"
+
+
+def test_a_server_left_inside_a_weight_update_takes_the_next_trainers_push(server, models, tmp_path):
+    """kill -9 of a trainer between /start_weight_update and /finish_weight_update leaves a server it attached to
+    paused and inside a weight update; vLLM refuses the next /start_weight_update until that one is finished, so
+    the resumed run's first push failed. Here the leftover state is made with the calls the killed trainer made
+    (pause, start, a checkpoint loaded, no finish); a new engine (the resumed run's) must push, and the server then
+    samples with the pushed weights, not the half-done update's."""
+    from megatron_gspo.rollout.server.buckets import iter_buckets
+    from megatron_gspo.rollout.server.transport import write_checkpoint_dir
+    from megatron_gspo.rollout.types import SamplingParams
+    from megatron_gspo.rollout.vllm.config import VLLMConfig
+    from megatron_gspo.rollout.vllm.engine import VLLMEngine
+
+    config, dirs = models
+    cfg = server.config
+    url = server.server_urls[0]
+    start = server.weight_versions()[0]
+    stale = tmp_path / "stale"
+    write_checkpoint_dir(iter_buckets(_checkpoint_tensors(dirs[0]), 1 << 20), stale)
+    _post(url, "/pause?mode=keep&clear_cache=false")
+    _post(url, "/start_weight_update")
+    _post(url, "/update_weights", {"update_info": {"path": str(stale)}})
+    engine = VLLMEngine(
+        VLLMConfig(mode="attach", urls=[url], capture_routes=True, num_experts=cfg.num_experts,
+                   num_moe_layers=cfg.num_moe_layers, moe_topk=cfg.moe_topk, backoff_s=0.05),  # fmt: skip
+        exporter=lambda chunks: _checkpoint_tensors(dirs[1]),
+        initial_version=start,
+    )
+    try:
+        engine.update_weights([], version=start + 1)
+        (rollout,) = engine.generate([[3, 4, 5, 6]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=2))
+    finally:
+        engine.close()
+    assert server.weight_versions() == [start + 1] and rollout.weight_version == start + 1
+    pushed, _ = _reference(dirs[1], rollout, config.num_experts_per_tok)
+    assert (torch.tensor(rollout.logprobs) - pushed).abs().max() < 1e-4
+    stale_lp, _ = _reference(dirs[0], rollout, config.num_experts_per_tok)
+    assert (torch.tensor(rollout.logprobs) - stale_lp).abs().max() > 1e-2
+
+
+def _post(url: str, path: str, body: dict | None = None) -> None:
+    data = json.dumps(body or {}).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.status == 200, (path, answer.status)
 
 
 def _tag_spy():
