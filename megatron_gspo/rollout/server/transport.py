@@ -26,11 +26,13 @@ TRANSPORTS = ("shm", "disk")
 
 
 def transport_root(transport: str, directory: str | None, run_id: str) -> Path:
-    """Where versions are written: `directory` for disk; /dev/shm/megatron_gspo-<run_id> for shm."""
+    """Where versions are written: `directory` for disk; /dev/shm/megatron_gspo-<pid>-<run_id> for shm, after
+    removing the shm roots of this user's processes that are gone (`remove_orphan_roots`)."""
     if transport == "shm":
         if not SHM_ROOT.is_dir():
             raise RuntimeError(f"weight transport 'shm' needs {SHM_ROOT} (Linux tmpfs); use 'disk' here")
-        return SHM_ROOT / f"megatron_gspo-{run_id}"
+        remove_orphan_roots()
+        return SHM_ROOT / f"megatron_gspo-{os.getpid()}-{run_id}"
     if transport == "disk":
         if not directory:
             raise ValueError("the disk weight transport needs a directory readable by the servers")
@@ -120,6 +122,27 @@ def read_checkpoint_dir(path: str | Path) -> Iterator[NamedTensor]:
                 raise ValueError(f"{path / shard} lacks {missing[0]} listed in {INDEX_FILE}")
             for name in shards[shard]:
                 yield name, f.get_tensor(name)
+
+
+def remove_orphan_roots(shm: Path = SHM_ROOT) -> list[Path]:
+    """Removes the shm roots (`megatron_gspo-<pid>-...`) of this user whose process no longer runs; returns them.
+
+    A trainer that ends normally removes its root (RAM: a whole model per version); one killed (kill -9, the OOM
+    killer, a preempted job on a reused node) cannot, and its versions would hold that RAM until a reboot: the
+    next run on the host, typically its resume, frees them. A pid reused by another process keeps its root."""
+    removed = []
+    for root in shm.glob("megatron_gspo-*"):
+        parts = root.name.split("-")
+        try:
+            if len(parts) != 3 or not parts[1].isdigit() or root.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            remove_dir(root)
+            removed.append(root)
+        except OSError:  # gone meanwhile, or a live process of another user (PermissionError)
+            continue
+    return removed
 
 
 def remove_dir(path: Path | None) -> None:

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_gspo.rollout.server.buckets import iter_buckets, tensor_nbytes, with_last
-from megatron_gspo.rollout.server.transport import INDEX_FILE, read_checkpoint_dir, write_checkpoint_dir
+from megatron_gspo.rollout.server.transport import (
+    INDEX_FILE,
+    SHM_ROOT,
+    read_checkpoint_dir,
+    transport_root,
+    write_checkpoint_dir,
+)
 
 MB = 1024 * 1024
 
@@ -85,3 +96,37 @@ def test_reader_returns_what_the_writer_wrote(tmp_path):
         assert tensor.dtype == weights[name].dtype and torch.equal(tensor, weights[name])
     with pytest.raises(FileNotFoundError, match="not a weight-sync directory"):
         list(read_checkpoint_dir(tmp_path))
+
+
+WRITER = """
+import sys, time
+from megatron_gspo.rollout.server.transport import transport_root
+root = transport_root("shm", None, "killed")
+(root / "weights-v3").mkdir(parents=True)
+(root / "weights-v3" / "model-00001.safetensors").write_bytes(bytes(1 << 20))
+print(root, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not SHM_ROOT.is_dir(), reason="no /dev/shm")
+def test_the_shm_root_of_a_killed_trainer_is_removed_by_the_next_one():
+    """A trainer SIGKILLed with versions in /dev/shm (RAM) cannot remove them; the next shm root made on the host
+    (the resumed run's) removes the roots of this user's processes that are gone, and keeps a live one's."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        killed = proc.stdout.readline().strip()
+        assert killed.startswith(f"{SHM_ROOT}/megatron_gspo-{proc.pid}-"), killed
+        alive = transport_root("shm", None, "alive")  # the writer still runs: its root stays
+        alive.mkdir()
+        assert os.path.isdir(killed)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    try:
+        mine = transport_root("shm", None, "resumed")
+        assert not os.path.exists(killed)
+        assert alive.is_dir() and mine.parent == SHM_ROOT and mine.name.startswith(f"megatron_gspo-{os.getpid()}-")
+    finally:
+        alive.rmdir()
