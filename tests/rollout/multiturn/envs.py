@@ -2,6 +2,8 @@
 
 import gymnasium
 
+from megatron_gspo.rollout.multiturn.calculator import CalculatorEnv
+
 
 class DigitsEnv(gymnasium.Env):
     """For the built-in arithmetic alphabet: a turn ends at '='; every turn is answered with '00=' until the
@@ -19,3 +21,25 @@ class DigitsEnv(gymnasium.Env):
         if self.turns >= 3:
             return "", float(action == self.answer), True, False, {}
         return "00=", 0.0, False, False, {}
+
+
+class ShapedFlakyCalculator(CalculatorEnv):
+    """The character calculator with a per-turn reward and a deterministic failure, for training runs:
+    - a tool call on a well-formed expression earns 0.25 at once (its turn's reward), the answer 1 if exact;
+    - on prompts starting with 1, 2 or 3 the environment is down: its step raises, so about a third of the
+      trajectories fail (the same ones in every run: what DP=2 and resumed runs must count alike)."""
+
+    def __init__(self) -> None:
+        super().__init__("chars")
+
+    def reset(self, *, seed=None, options=None):
+        self.prompt = (options or {}).get("prompt", "")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self.prompt[:1] in ("1", "2", "3"):
+            raise ConnectionError("calculator service unavailable")
+        obs, reward, done, truncated, info = super().step(action)
+        if not done:
+            reward = 0.25 if obs != "=" else 0.0
+        return obs, reward, done, truncated, info
