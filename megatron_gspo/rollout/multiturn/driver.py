@@ -10,7 +10,7 @@ Per trajectory: at most `multiturn.max_turns` model turns and `multiturn.max_tot
 turn's generation is capped by what is left); a trajectory cut by either ends with finish_reason 'length' and the
 reward its environment gave so far, and `extra['limit']` says which limit ('turns' or 'tokens'). An environment that
 raises, hangs or returns garbage fails its sample: reward 0, no token of it trained on (loss mask all 0),
-`extra['env_error']` says why, one warning line in the log; the trainer counts it as a failed reward call
+`extra['env_error']` says why, one warning line per batch in the log; the trainer counts it as a failed reward call
 (`scoring.max_error_frac`, metric reward_errors). `extra['turn_rewards']` holds the reward of each model turn's
 environment step (their sum is the trajectory's reward) and `extra['turn_starts']` the response position of each
 model turn's first token: per-turn advantages (`multiturn.advantage`, algorithms/advantages.py) read them.
@@ -201,11 +201,14 @@ class MultiTurnRollouts:
             t.mask += [0] * len(obs_ids)
 
     def _rollouts(self, trajs: list[_Trajectory]) -> list[Rollout]:
+        failed = [(k, t) for k, t in enumerate(trajs) if t.error is not None]
+        if failed:  # one line per batch, not per sample: an environment that is down fails them all
+            k, t = failed[0]
+            log.warning("multi-turn: %d of %d trajectories failed in their environment (reward 0, not trained on); "
+                        "the first, sample %d (prompt %d): environment %s", len(failed), len(trajs), k, t.group,
+                        t.error)
         out = []
-        for k, t in enumerate(trajs):
-            if t.error is not None:
-                log.warning("multi-turn sample %d (prompt %d): environment %s; reward 0, not trained on",
-                            k, t.group, t.error)
+        for t in trajs:
             mask = t.mask if t.error is None else [0] * len(t.mask)
             # A failed sample's rewards are 0, every turn's too (the environment's word is not trusted).
             turn_rewards = [0.0] * len(t.turn_rewards) if t.error else list(t.turn_rewards)

@@ -1,5 +1,8 @@
 """Environments for runs that load them by name (`multiturn.env=tests.rollout.multiturn.envs:DigitsEnv`)."""
 
+import os
+import time
+
 import gymnasium
 
 from megatron_gspo.rollout.multiturn.calculator import CalculatorEnv
@@ -43,3 +46,33 @@ class ShapedFlakyCalculator(CalculatorEnv):
         if not done:
             reward = 0.25 if obs != "=" else 0.0
         return obs, reward, done, truncated, info
+
+
+class SlowSeededCalculator(CalculatorEnv):
+    """The character calculator whose environment state comes from its seeded RNG and whose steps take a while,
+    for the resume test: a tool call earns a bonus (1/8, 2/8 or 3/8) drawn from `np_random` at reset (gymnasium
+    seeds it from reset's seed, which the driver derives from the step's seed), so a resumed run reproduces the
+    rewards only if it reseeds the episodes it regenerates as the first run did. Every step sleeps 0.2 s and
+    every call is appended to the file $MT_ENV_LOG (when set) with the process id, so the test can kill the run
+    mid-episode."""
+
+    def __init__(self) -> None:
+        super().__init__("chars")
+
+    def _log(self, what: str) -> None:
+        path = os.environ.get("MT_ENV_LOG")
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {what}\n")
+
+    def reset(self, *, seed=None, options=None):
+        out = super().reset(seed=seed, options=options)
+        self.bonus = float(self.np_random.integers(1, 4)) / 8
+        self._log("reset")
+        return out
+
+    def step(self, action):
+        time.sleep(0.2)
+        obs, reward, done, truncated, info = super().step(action)
+        self._log("step")
+        return obs, (reward if done else self.bonus), done, truncated, info
