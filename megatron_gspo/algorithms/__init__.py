@@ -6,7 +6,7 @@ metrics per staleness bucket.
 Never imports megatron: usable and tested on its own.
 """
 
-from megatron_gspo.algorithms.advantages import group_advantages
+from megatron_gspo.algorithms.advantages import group_advantages, turn_return_advantages
 from megatron_gspo.algorithms.config import (
     ALGORITHMS,
     CORRECTION_PRESETS,
@@ -56,6 +56,7 @@ __all__ = [
     "RolloutCorrectionConfig",
     "combine_metrics",
     "group_advantages",
+    "turn_return_advantages",
     "grpo_loss",
     "gspo_loss",
     "gspo_loss_from_sums",

@@ -40,7 +40,8 @@ class PolicyLossConfig:
     """Responses cut at rollout.max_new_tokens (finish_reason 'length') contribute no gradient: their advantage
     is 0 (DAPO's overlong filtering); they still count in the batch size, as zero-variance groups do."""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment, L_cache (0 = off): with L_max = rollout.max_new_tokens a response of
+    """DAPO's soft overlong punishment, L_cache (0 = off): with L_max = rollout.max_new_tokens (multi-turn:
+    multiturn.max_total_tokens; L counts the model's tokens only, never the environment's) a response of
     length L gets (L_max - L_cache - L) / L_cache * overlong_penalty_factor added to its reward when
     L > L_max - L_cache (down to -factor at L_max), 0 otherwise."""
     overlong_penalty_factor: float = 1.0

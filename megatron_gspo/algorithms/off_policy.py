@@ -70,8 +70,9 @@ def corrected_advantages(
 ) -> CorrectedAdvantages:
     """The advantages (and token weights) that turn a policy loss into the corrected objective of `cfg` (module
     doc): level "sequence" scales A_i by the (truncated / masked) sequence weight, level "token" returns the
-    token weights, level "off" changes nothing; the mask band then zeroes dropped sequences. Inputs: advantages [B],
-    log-probs [B, T], mask [B, T]; `cfg` is resolved here (presets). Metrics are logged before any truncation."""
+    token weights, level "off" changes nothing; the mask band then zeroes dropped sequences. Inputs: advantages
+    [B] (or per-token [B, T], scaled and zeroed per row alike), log-probs [B, T], mask [B, T]; `cfg` is resolved
+    here (presets). Metrics are logged before any truncation."""
     cfg = cfg.resolved()
     weights, metrics = rollout_correction(
         prox_logprobs,
@@ -84,14 +85,15 @@ def corrected_advantages(
         sequence_weight=cfg.sequence_weight,
     )
     out = CorrectedAdvantages(advantages_B=advantages, metrics=metrics)
+    per_row = (lambda x: x) if advantages.dim() == 1 else (lambda x: x[:, None])  # [B] or per-token [B, T]
     if cfg.level == "sequence":
-        out.advantages_B = advantages * weights.to(advantages.dtype)
+        out.advantages_B = advantages * per_row(weights.to(advantages.dtype))
     elif cfg.level == "token":
         out.token_weights_BT = weights
     if cfg.geo_mask_low is not None or cfg.geo_mask_high is not None:
         keep_B, band = geometric_mask_band(
             prox_logprobs, behav_logprobs, response_mask, cfg.geo_mask_low, cfg.geo_mask_high
         )
-        out.advantages_B = torch.where(keep_B, out.advantages_B, 0.0)
+        out.advantages_B = torch.where(per_row(keep_B), out.advantages_B, 0.0)
         out.metrics.update(band)
     return out

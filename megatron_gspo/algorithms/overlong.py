@@ -45,5 +45,7 @@ def overlong_stats(truncated_N: torch.Tensor, penalty_N: torch.Tensor) -> dict[s
 
 def mask_truncated_advantages(advantages_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
     """`loss.mask_truncated`: advantage 0 for responses cut at max_new_tokens, so they contribute no gradient (the
-    policy losses are linear in A per sequence, and a zero A is never clipped)."""
-    return torch.where(truncated_N.bool(), torch.zeros_like(advantages_N), advantages_N)
+    policy losses are linear in A per sequence, and a zero A is never clipped). `advantages_N` may be per token
+    ([N, T]): a truncated row's are all 0."""
+    cut = truncated_N.bool() if advantages_N.dim() == 1 else truncated_N.bool()[:, None]
+    return torch.where(cut, torch.zeros_like(advantages_N), advantages_N)

@@ -66,6 +66,13 @@ class RolloutBatch:
         return self.tokens_NL.shape[0]
 
     @property
+    def model_lens_N(self) -> torch.Tensor:
+        """The model's tokens per row: the response less a multi-turn trajectory's environment tokens (and 0 for a
+        sample whose environment failed). What length-based quantities count (DAPO's overlong penalty, the
+        response_length metric); `response_lens_N` is the layout's length."""
+        return self.loss_mask_NS.sum(-1)
+
+    @property
     def input_lens_N(self) -> torch.Tensor | None:
         """Input positions holding real tokens per row (prompt + response - 1); None when the lengths are unknown
         (every position then counts as a real token)."""
@@ -151,15 +158,19 @@ def minibatch_group_order(num_informative: int, num_groups: int, minibatches: in
 
 
 def pack_rollouts(
-    rollouts: list[Rollout], seq_len: int, pad_id: int, rewards: torch.Tensor, advantages: torch.Tensor
+    rollouts: list[Rollout], seq_len: int, pad_id: int, rewards: torch.Tensor, advantages: torch.Tensor,
+    token_advantages: list[list[float]] | None = None,
 ) -> RolloutBatch:
-    """Pads rollouts to `seq_len` + 1 columns (fixed shapes keep pipeline p2p shapes static on CPU)."""
+    """Pads rollouts to `seq_len` + 1 columns (fixed shapes keep pipeline p2p shapes static on CPU).
+    `token_advantages` (one per response token; multi-turn per-turn advantages) go to `extra['token_advantages_NS']`
+    at the response positions, which the per-token losses then take instead of `advantages_N`."""
     n = len(rollouts)
     tokens = torch.full((n, seq_len + 1), pad_id, dtype=torch.long)
     mask = torch.zeros((n, seq_len), dtype=torch.bool)
     engine_lp = torch.zeros((n, seq_len), dtype=torch.float32)
     p_lens = torch.zeros(n, dtype=torch.long)
     r_lens = torch.zeros(n, dtype=torch.long)
+    token_adv = None if token_advantages is None else torch.zeros((n, seq_len), dtype=torch.float32)
     for i, r in enumerate(rollouts):
         seq = list(r.prompt_ids) + list(r.response_ids)
         if len(seq) > seq_len + 1:
@@ -173,6 +184,8 @@ def pack_rollouts(
         model_tokens = True if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.bool)
         mask[i, start : start + len(r.response_ids)] = model_tokens
         engine_lp[i, start : start + len(r.response_ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        if token_adv is not None:
+            token_adv[i, start : start + len(r.response_ids)] = torch.tensor(token_advantages[i], dtype=torch.float32)
         p_lens[i], r_lens[i] = len(r.prompt_ids), len(r.response_ids)
     return RolloutBatch(
         tokens_NL=tokens,
@@ -185,5 +198,6 @@ def pack_rollouts(
         seq_index_N=torch.arange(n),
         weight_version_N=torch.tensor([int(r.weight_version) for r in rollouts], dtype=torch.long),
         truncated_N=torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool),
+        extra={} if token_adv is None else {"token_advantages_NS": token_adv},
         rollouts=list(rollouts),
     )

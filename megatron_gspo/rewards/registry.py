@@ -190,6 +190,19 @@ class RewardScorer:
         }
         return rewards
 
+    def count_external(self, values: Sequence[float], errors: Sequence[str]) -> None:
+        """Counts rewards scored elsewhere, `errors` the failures among them (a multi-turn environment that raised,
+        hung or returned garbage, rollout/multiturn/), as this scorer's own calls: in `last_metrics`, the window
+        and `num_errors`, so they meet `scoring.max_error_frac` as failing reward calls do."""
+        self.num_errors += len(errors)
+        self.num_scored += len(values)
+        self._window[0] += len(values)
+        self._window[1] += len(errors)
+        if self._window[2] is None and errors:
+            self._window[2] = errors[0]
+        self.last_metrics = {"reward_mean": sum(values) / len(values) if values else 0.0,
+                             "reward_errors": float(len(errors))}
+
     def take_window(self) -> tuple[int, int, str | None]:
         """(calls, failed calls, the first failure's message) since the previous `take_window`."""
         calls, errors, first = self._window

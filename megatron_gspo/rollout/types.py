@@ -86,6 +86,11 @@ class Rollout:
     environment's / tool's tokens between its turns (never trained on; their `logprobs` are 0 and unused).
     None: every response token is the model's."""
 
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the model sampled and is trained on (`loss_mask`'s ones; all of them without one)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(

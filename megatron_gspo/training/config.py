@@ -289,10 +289,12 @@ class RunConfig:
                 "recomputed log-probs against the engine's); with old_logprobs=engine set rollout.correction.level=off "
                 "and no preset or mask band"
             )
-        if self.loss.overlong_buffer > self.rollout.max_new_tokens:
+        max_key, max_len = ("multiturn.max_total_tokens", self.multiturn.max_total_tokens) if (
+            self.multiturn.enabled) else ("rollout.max_new_tokens", self.rollout.max_new_tokens)
+        if self.loss.overlong_buffer > max_len:
             raise ValueError(
-                f"loss.overlong_buffer={self.loss.overlong_buffer} must be <= rollout.max_new_tokens="
-                f"{self.rollout.max_new_tokens} (the penalty ramps over the last overlong_buffer tokens)"
+                f"loss.overlong_buffer={self.loss.overlong_buffer} must be <= {max_key}={max_len} (the penalty "
+                "ramps over the last overlong_buffer tokens)"
             )
         drift_rows, t = MoEConfig.from_dict(self.moe).drift_sample_sequences, self.trainer
         if drift_rows > t.micro_batch_size and drift_rows % t.micro_batch_size and not t.max_tokens_per_micro_batch:
@@ -316,6 +318,10 @@ class RunConfig:
                 f"multiturn.max_total_tokens={self.multiturn.max_total_tokens} exceeds rollout.max_new_tokens="
                 f"{r.max_new_tokens}, the response room of a training sequence; raise rollout.max_new_tokens"
             )
+        if self.multiturn.enabled and self.multiturn.advantage != "trajectory" and self.loss.algorithm == "gspo":
+            raise ValueError(f"multiturn.advantage={self.multiturn.advantage} gives each token its turn's advantage, "
+                             "but loss.algorithm=gspo takes one per trajectory (the sequence ratio, Eq.5); set "
+                             "loss.algorithm=gspo_token (Eq.13-14) or multiturn.advantage=trajectory")
         if r.engine == "vllm" and r.old_logprobs == "engine":
             mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
             problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)

@@ -33,14 +33,16 @@ class BatchCorrections:
         """`cfg`: the RunConfig."""
         self.correction = cfg.rollout.correction.resolved()
         self.loss = cfg.loss
-        self.max_length = cfg.rollout.max_new_tokens
+        # DAPO's L_max: the longest answer; a multi-turn trajectory's model tokens are capped by its token budget.
+        self.max_length = cfg.multiturn.max_total_tokens if cfg.multiturn.enabled else cfg.rollout.max_new_tokens
 
     def penalize(self, rewards: torch.Tensor, rollouts: list) -> torch.Tensor:
         """Rewards with DAPO's overlong penalty added (`loss.overlong_buffer` > 0; the rewards as they are
-        otherwise)."""
+        otherwise). Length = the model's tokens: a multi-turn trajectory's environment / tool tokens are not the
+        model's answer and never make it longer."""
         if not self.loss.overlong_buffer:
             return rewards
-        lens = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
+        lens = torch.tensor([r.num_model_tokens for r in rollouts], dtype=torch.long)
         return rewards + self._penalty(lens).to(rewards.device, rewards.dtype)
 
     def _penalty(self, lens_N: torch.Tensor) -> torch.Tensor:
@@ -65,6 +67,10 @@ class BatchCorrections:
                 batch.advantages_N, batch.old_logprobs_NS, batch.engine_logprobs_NS, batch.loss_mask_NS, c
             )
             batch.advantages_N = out.advantages_B
+            if "token_advantages_NS" in batch.extra:  # per-turn advantages: the same weights / mask band per row
+                batch.extra["token_advantages_NS"] = corrected_advantages(
+                    batch.extra["token_advantages_NS"], batch.old_logprobs_NS, batch.engine_logprobs_NS,
+                    batch.loss_mask_NS, c).advantages_B
             if out.token_weights_BT is not None:
                 batch.extra["token_weights_NS"] = out.token_weights_BT
             metrics.update(out.metrics)
@@ -77,7 +83,10 @@ class BatchCorrections:
         if batch.truncated_N is not None:
             if self.loss.mask_truncated:
                 batch.advantages_N = mask_truncated_advantages(batch.advantages_N, batch.truncated_N)
-            metrics.update(overlong_stats(batch.truncated_N, self._penalty(batch.response_lens_N)))
+                if "token_advantages_NS" in batch.extra:
+                    batch.extra["token_advantages_NS"] = mask_truncated_advantages(
+                        batch.extra["token_advantages_NS"], batch.truncated_N)
+            metrics.update(overlong_stats(batch.truncated_N, self._penalty(batch.model_lens_N)))
         if staleness_N is not None:
-            metrics.update(rollout_bucket_stats(staleness_N, batch.rewards_N, batch.response_lens_N))
+            metrics.update(rollout_bucket_stats(staleness_N, batch.rewards_N, batch.model_lens_N))
         return {k: float(v) for k, v in metrics.items()}

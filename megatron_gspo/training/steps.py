@@ -106,9 +106,10 @@ def policy_forward_step(
                 call, args = loss_fn.from_sums, (lp.seq_sum, old_sum, lp.seq_count, mb.advantages_N)
                 kwargs = {"num_sequences": 1}
             else:
-                adv = mb.advantages_N
+                # Multi-turn per-turn advantages (A_i,t, Eq.13-14) where the batch has them, else A_i per row.
+                adv = mb.extra.get("token_advantages_NS", mb.advantages_N)
                 if mb.extra.get("token_weights_NS") is not None:
-                    adv = adv[:, None] * mb.extra["token_weights_NS"]
+                    adv = (adv if adv.dim() == 2 else adv[:, None]) * mb.extra["token_weights_NS"]
                 token_NS = scatter_to_rows(lp.token_logprobs, mb.loss_mask_NS)
                 call, args = loss_fn, (token_NS, mb.old_logprobs_NS, adv, mb.loss_mask_NS)
                 kwargs = {"num_sequences": 1, "num_tokens": 1}

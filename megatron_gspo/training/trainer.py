@@ -39,7 +39,7 @@ from megatron_gspo.lifecycle.watchdog import PhaseWatchdog
 from megatron_gspo.metrics.log import MetricsLogger, reduce_step_metrics
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
-from megatron_gspo.rollout.multiturn import make_multiturn
+from megatron_gspo.rollout.multiturn import make_multiturn, trajectory_stats, turn_token_advantages
 from megatron_gspo.training.config import RunConfig, dump_run_config
 from megatron_gspo.training.corrections import BatchCorrections
 from megatron_gspo.training.engine import (
@@ -206,8 +206,11 @@ class GSPOTrainer:
     def score(self, items: list[PromptItem], rollouts, scorer: RewardScorer | None = None) -> torch.Tensor:
         """Rewards [n_prompts * G]; reward-function errors count as 0 and are logged; DAPO's overlong penalty added
         (loss.overlong_buffer)."""
-        if self.multiturn is not None:  # the environments' rewards
-            return self.corrections.penalize(torch.tensor(self.multiturn.rewards(rollouts)), rollouts)
+        if self.multiturn is not None:  # the environments' rewards; a failed environment is a failed reward call
+            values = self.multiturn.rewards(rollouts)
+            (scorer or self.scorer).count_external(values, [f"environment {r.extra['env_error']}" for r in rollouts
+                                                            if "env_error" in r.extra])
+            return self.corrections.penalize(torch.tensor(values), rollouts)
         g = self.cfg.rollout.group_size
         responses = [self.rt.tokenizer.decode(r.response_ids) for r in rollouts]
         answers = [items[i // g].answer for i in range(len(rollouts))]
@@ -253,8 +256,12 @@ class GSPOTrainer:
         rewards = torch.cat([x.rewards_G for x in groups])
         adv = self.advantages(rewards)
         # The one host -> device move of the rollout batch: every forward, loss and collective below uses it.
-        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv).to(self.rt.device)
-        lens = batch.response_lens_N.float()
+        token_adv = None
+        if self.multiturn is not None and self.cfg.multiturn.advantage == "turn_return":  # A_i,t of GSPO-token
+            token_adv = turn_token_advantages(rollouts, rewards, self.cfg.rollout.group_size)
+        batch = pack_rollouts(rollouts, self.rt.seq_len, self.rt.tokenizer.pad_id, rewards, adv,
+                              token_advantages=token_adv).to(self.rt.device)
+        lens = batch.model_lens_N.float()  # the model's tokens: a trajectory's environment tokens are not its answer
         stats = {
             "reward_mean": rewards.mean().item(),
             "accuracy": (rewards > 0.5).float().mean().item(),
@@ -269,6 +276,8 @@ class GSPOTrainer:
             "groups_stale": float(taken.stale),
             **produced_stats,  # reward errors, top-up rounds; async: the producer's and the trainer's waits
         }
+        if self.multiturn is not None:  # turns, tool calls, environment failures, limits hit
+            stats.update(trajectory_stats(rollouts))
         if self.balance_replicas:
             batch = balance_data_parallel(batch, self.cfg.trainer.minibatches, ps.get_data_parallel_group())
         return batch, stats

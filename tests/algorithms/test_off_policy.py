@@ -289,3 +289,23 @@ def test_masked_tokens_with_huge_gaps_change_nothing(preset):
     assert clean.metrics.keys() == dirty.metrics.keys()
     for key in clean.metrics:
         assert torch.equal(clean.metrics[key], dirty.metrics[key]), key
+
+
+def test_per_token_advantages_are_scaled_and_dropped_per_row():
+    """Multi-turn per-turn advantages [B, T] take the row's sequence weight and mask band, as [B] advantages do
+    (and `loss.mask_truncated` zeroes a truncated row's)."""
+    from megatron_gspo.algorithms import mask_truncated_advantages
+
+    prox, behav, mask = _logprobs(noise=0.02, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    adv_BT = torch.randn(len(LENGTHS), T, generator=gen, dtype=torch.float64)
+    cfg = RolloutCorrectionConfig(level="sequence", geo_mask_low=0.995, geo_mask_high=1.005)
+    row = corrected_advantages(torch.ones(len(LENGTHS), dtype=torch.float64), prox, behav, mask, cfg).advantages_B
+    assert 0 < int((row == 0).sum()) < len(LENGTHS) and bool((row[row != 0] != 1).any())
+    out = corrected_advantages(adv_BT, prox, behav, mask, cfg).advantages_B
+    for i in range(len(LENGTHS)):
+        for t in range(T):
+            assert out[i, t].item() == pytest.approx(adv_BT[i, t].item() * row[i].item(), rel=1e-12, abs=0)
+    truncated = torch.tensor([True, False, True, False, False, True])
+    cut = mask_truncated_advantages(adv_BT, truncated)
+    assert torch.equal(cut[truncated], torch.zeros(3, T)) and torch.equal(cut[~truncated], adv_BT[~truncated])

@@ -32,6 +32,8 @@ def _loss(algorithm: str):
     if algorithm == "grpo_token_mean":  # the loss counts tokens
         return make_policy_loss(PolicyLossConfig(algorithm="grpo", clip_low=0.2, clip_high=0.2,
                                                  grpo_aggregation="token-mean"))
+    if algorithm == "gspo_token_turns":  # per-token advantages in the batch (multi-turn per-turn advantages)
+        return make_policy_loss(PolicyLossConfig(algorithm="gspo_token"))
     return make_policy_loss(PolicyLossConfig(algorithm=algorithm))
 
 
@@ -66,6 +68,11 @@ def policy_grads(layout: dict, cases: list[tuple[str, int, float]]) -> dict:
                 if case_aux != aux:
                     continue
                 batch = synthetic_batch(cfg.vocab_size)
+                if algorithm == "gspo_token_turns":
+                    # The advantages only as the per-token tensor the trainer packs for per-turn advantages; the
+                    # row advantages zeroed, so a forward step that ignored the tensor would give no gradient.
+                    batch.extra["token_advantages_NS"] = batch.advantages_N[:, None] * batch.loss_mask_NS
+                    batch.advantages_N = torch.zeros(N)
                 if aux > 0:
                     batch.tokens_NL = batch.tokens_NL[:1].expand(N, -1).clone()
                 # Old policy: the current log-probs shifted per sequence, so some GSPO sequences clip and some do not.

@@ -36,14 +36,14 @@ def _env():
     return env
 
 
-def _train(run_dir, extra=(), nproc=1, resume=False, popen=False):
+def _train(run_dir, extra=(), nproc=1, resume=False, popen=False, config="examples/tiny_moe_gspo.yaml", mini=MINI):
     base = [sys.executable, "-m", "megatron_gspo.cli.main"]
     if nproc > 1:
         # --standalone: torchrun binds a port of the kernel's choosing itself, so runs beside other jobs on the
         # host cannot collide on a port picked in advance (EADDRINUSE).
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
                 "megatron_gspo.cli.main"]
-    cmd = base + ["train", "--config", "examples/tiny_moe_gspo.yaml", *MINI, f"trainer.run_dir={run_dir}", *extra]
+    cmd = base + ["train", "--config", config, *mini, f"trainer.run_dir={run_dir}", *extra]
     if resume:
         cmd.append("--resume")
     if popen:
@@ -118,17 +118,19 @@ def test_bf16_run_with_load_balancing_loss(tmp_path):
     assert info["dtype"] == "bfloat16"
 
 
-def _kill_and_resume(tmp_path, steps: list[str], last: int, kill_at: int, nproc: int = 1) -> None:
-    """A run killed (SIGKILL, every process) once checkpoint `kill_at` exists, resumed with --resume, logs the
-    same metrics as an uninterrupted run for every step after its last checkpoint."""
-    _train(tmp_path / "full", steps, nproc=nproc)
+def _kill_and_resume(tmp_path, steps: list[str], last: int, kill_at: int, nproc: int = 1, ready=None,
+                     **train) -> None:
+    """A run killed (SIGKILL, every process) once checkpoint `kill_at` exists (and `ready()`, when given, says
+    so), resumed with --resume, logs the same metrics as an uninterrupted run for every step after its last
+    checkpoint. `train`: _train's config / mini."""
+    _train(tmp_path / "full", steps, nproc=nproc, **train)
     full = _rows(tmp_path / "full")
 
-    proc = _train(tmp_path / "killed", steps, nproc=nproc, popen=True)
+    proc = _train(tmp_path / "killed", steps, nproc=nproc, popen=True, **train)
     latest = tmp_path / "killed" / "checkpoints" / "latest"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == f"iter_{kill_at:07d}":
+        if latest.is_file() and latest.read_text().strip() == f"iter_{kill_at:07d}" and (ready is None or ready()):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be killed: " + proc.stdout.read()[-2000:]
@@ -136,7 +138,7 @@ def _kill_and_resume(tmp_path, steps: list[str], last: int, kill_at: int, nproc:
     proc.wait()
     resumed_from = int(latest.read_text().strip().split("_")[1])
     assert resumed_from < last
-    _train(tmp_path / "killed", steps, nproc=nproc, resume=True)
+    _train(tmp_path / "killed", steps, nproc=nproc, resume=True, **train)
     again = _rows(tmp_path / "killed")
     assert sorted(again) == list(range(1, last + 1))
     for step in range(resumed_from + 1, last + 1):

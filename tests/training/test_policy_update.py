@@ -13,7 +13,8 @@ KEYS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.2.mlp.gate.weigh
 AUX = 0.1
 # (algorithm, aux): GSPO and GRPO seq-mean-token-mean count sequences, GRPO token-mean counts tokens.
 VARIANTS = [("gspo", 0.0), ("grpo", 0.0), ("gspo", AUX), ("grpo_token_mean", AUX)]
-SINGLE = [(a, mbs, aux) for a, aux in VARIANTS for mbs in (8, 2)] + [("gspo", 4, 0.0), ("gspo_token", 4, 0.0)]
+SINGLE = [(a, mbs, aux) for a, aux in VARIANTS for mbs in (8, 2)] + [("gspo", 4, 0.0), ("gspo_token", 4, 0.0),
+                                                                    ("gspo_token_turns", 4, 0.0)]
 DP = [(a, 2, aux) for a, aux in VARIANTS]
 
 
@@ -45,8 +46,11 @@ def test_micro_batches_and_data_parallel_ranks_sum_to_the_full_batch(single, dat
 def test_gspo_token_update_equals_gspo_update(single):
     """Paper Eq.13-17: with A_i,t = A_i, GSPO-token has GSPO's objective, clipping and gradient (through the
     trainer's per-token path vs GSPO's per-sequence-sums path)."""
-    gspo, token = single[("gspo", 4, 0.0)], single[("gspo_token", 4, 0.0)]
-    for key in KEYS:
-        torch.testing.assert_close(token["grads"][key], gspo["grads"][key], atol=1e-7, rtol=1e-5)
-    for key in ("clip_frac_low_seq", "clip_frac_high_seq", "seq_ratio_mean"):
-        assert token["metrics"][key] == pytest.approx(gspo["metrics"][key], abs=1e-6)
+    gspo = single[("gspo", 4, 0.0)]
+    # gspo_token_turns: the advantages given per token (`extra['token_advantages_NS']`, as multi-turn per-turn
+    # advantages are packed) with the row advantages zeroed: the forward step must train on the per-token ones.
+    for token in (single[("gspo_token", 4, 0.0)], single[("gspo_token_turns", 4, 0.0)]):
+        for key in KEYS:
+            torch.testing.assert_close(token["grads"][key], gspo["grads"][key], atol=1e-7, rtol=1e-5)
+        for key in ("clip_frac_low_seq", "clip_frac_high_seq", "seq_ratio_mean"):
+            assert token["metrics"][key] == pytest.approx(gspo["metrics"][key], abs=1e-6)

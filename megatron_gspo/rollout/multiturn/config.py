@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ADVANTAGES = ("trajectory", "turn_return")
+"""What `multiturn.advantage` may be."""
+
 
 @dataclass
 class MultiTurnConfig:
@@ -19,6 +22,10 @@ class MultiTurnConfig:
     capped by what is left; an observation that does not fit truncates the trajectory)."""
     env_timeout_s: float = 10.0
     """Longest an environment call (reset / step) may take; a slower one fails its sample (never the run)."""
+    advantage: str = "trajectory"
+    """'trajectory': one advantage per trajectory (Eq.6 of the environment's total reward); 'turn_return': each
+    model token gets its turn's advantage, the group-normalised return from that turn on (rollout/multiturn/
+    turn_advantages.py), for loss.algorithm=gspo_token (the paper's per-token A_i,t, Eq.13-14) or grpo."""
 
     def __post_init__(self) -> None:
         if self.env is not None and (not isinstance(self.env, str) or not self.env):
@@ -29,6 +36,8 @@ class MultiTurnConfig:
             raise ValueError(f"multiturn.max_total_tokens={self.max_total_tokens!r} must be an integer >= 2")
         if not self.env_timeout_s > 0:
             raise ValueError(f"multiturn.env_timeout_s={self.env_timeout_s!r} must be > 0")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"multiturn.advantage={self.advantage!r} must be one of {', '.join(ADVANTAGES)}")
 
     @property
     def enabled(self) -> bool:

@@ -8,8 +8,12 @@ only text ever tokenised is an environment's new observation, once, when it is a
 
 Per trajectory: at most `multiturn.max_turns` model turns and `multiturn.max_total_tokens` response tokens (each
 turn's generation is capped by what is left); a trajectory cut by either ends with finish_reason 'length' and the
-reward its environment gave so far. An environment that raises, hangs or returns garbage fails its sample: reward
-0, no token of it trained on (loss mask all 0), `extra['env_error']` says why, one warning line in the log.
+reward its environment gave so far, and `extra['limit']` says which limit ('turns' or 'tokens'). An environment that
+raises, hangs or returns garbage fails its sample: reward 0, no token of it trained on (loss mask all 0),
+`extra['env_error']` says why, one warning line per batch in the log; the trainer counts it as a failed reward call
+(`scoring.max_error_frac`, metric reward_errors). `extra['turn_rewards']` holds the reward of each model turn's
+environment step (their sum is the trajectory's reward) and `extra['turn_starts']` the response position of each
+model turn's first token: per-turn advantages (`multiturn.advantage`, algorithms/advantages.py) read them.
 
 Routed experts (R3), per turn: row r of a trajectory's `routed_experts` is the routing of the forward whose logits
 scored the token at position r + 1, taken from the turn that first computed that forward. Turn k's record covers
@@ -51,6 +55,9 @@ class _Trajectory:
     turns: int = 0
     tool_calls: int = 0
     reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)
+    limit: str | None = None
     finish: str = "stop"
     done: bool = False
     error: str | None = None
@@ -135,6 +142,8 @@ class MultiTurnRollouts:
         t.token_versions += [versions[0] if versions else out.weight_version] * (len(t.ids) - len(t.token_versions))
         self._append_routes(t, out)
         t.turn_start = len(t.ids)
+        t.turn_starts.append(t.turn_start)
+        t.turn_rewards.append(0.0)
         t.ids += out.response_ids
         t.logprobs += list(out.logprobs)
         t.token_versions += versions
@@ -177,6 +186,7 @@ class MultiTurnRollouts:
                 t.fail("step", err)
                 continue
             t.reward += reward
+            t.turn_rewards[-1] = reward
             if done:
                 t.done = True
                 continue
@@ -184,21 +194,32 @@ class MultiTurnRollouts:
             obs_ids = self.tokenizer.encode(obs)
             if last_turn or len(t.ids) + len(obs_ids) >= self.cfg.max_total_tokens:  # no model turn can follow
                 t.done, t.finish = True, "length"
+                t.limit = "turns" if last_turn else "tokens"
                 continue
             t.ids += obs_ids
             t.logprobs += [0.0] * len(obs_ids)
             t.mask += [0] * len(obs_ids)
 
     def _rollouts(self, trajs: list[_Trajectory]) -> list[Rollout]:
+        failed = [(k, t) for k, t in enumerate(trajs) if t.error is not None]
+        if failed:  # one line per batch, not per sample: an environment that is down fails them all
+            k, t = failed[0]
+            log.warning("multi-turn: %d of %d trajectories failed in their environment (reward 0, not trained on); "
+                        "the first, sample %d (prompt %d): environment %s", len(failed), len(trajs), k, t.group,
+                        t.error)
         out = []
-        for k, t in enumerate(trajs):
-            if t.error is not None:
-                log.warning("multi-turn sample %d (prompt %d): environment %s; reward 0, not trained on",
-                            k, t.group, t.error)
+        for t in trajs:
             mask = t.mask if t.error is None else [0] * len(t.mask)
-            extra = {"turns": t.turns, "tool_calls": t.tool_calls, "env_reward": 0.0 if t.error else t.reward}
+            # A failed sample's rewards are 0, every turn's too (the environment's word is not trusted).
+            turn_rewards = [0.0] * len(t.turn_rewards) if t.error else list(t.turn_rewards)
+            extra = {"turns": t.turns, "tool_calls": t.tool_calls, "env_reward": 0.0 if t.error else t.reward,
+                     "turn_rewards": turn_rewards, "turn_starts": list(t.turn_starts)}
             if t.error is not None:
                 extra["env_error"] = t.error
+            if t.limit is None and t.finish == "length" and len(t.ids) >= self.cfg.max_total_tokens:
+                t.limit = "tokens"  # the model's last turn filled what was left of the budget
+            if t.limit is not None:
+                extra["limit"] = t.limit
             routed = None
             if t.route_rows:
                 routed = torch.cat(t.route_rows)
@@ -209,22 +230,34 @@ class MultiTurnRollouts:
                                weight_version=min(versions) if versions else min(t.versions),
                                token_versions=list(versions) if len(set(versions)) > 1 else None,
                                extra=extra, loss_mask=mask))
-        n = max(1, len(out))
-        self.last_metrics = {
-            "multiturn_turns_mean": sum(r.extra["turns"] for r in out) / n,
-            "multiturn_tool_call_rate": sum(r.extra["tool_calls"] > 0 for r in out) / n,
-            "multiturn_env_errors": float(sum("env_error" in r.extra for r in out)),
-            "multiturn_truncated": float(sum(r.finish_reason == "length" for r in out)),
-        }
-        m = self.last_metrics
-        log.info("multi-turn: %d trajectories, %.2f model turns on average, tool-call rate %.3f, %d environment "
-                 "failures, %d truncated", len(out), m["multiturn_turns_mean"], m["multiturn_tool_call_rate"],
-                 m["multiturn_env_errors"], m["multiturn_truncated"])
+        self.last_metrics = m = trajectory_stats(out)
+        log.info("multi-turn: %d trajectories, %.2f model turns on average (at most %d), tool-call rate %.3f, %d "
+                 "environment failures, %d at the turn limit, %d at the token limit", len(out),
+                 m["multiturn_turns_mean"], m["multiturn_turns_max"], m["multiturn_tool_call_rate"],
+                 m["multiturn_env_errors"], m["multiturn_turn_limit"], m["multiturn_token_limit"])
         return out
 
     def rewards(self, rollouts: list[Rollout]) -> list[float]:
         """The environments' rewards of `rollouts` (0 for a failed sample)."""
         return [float(r.extra["env_reward"]) for r in rollouts]
+
+
+def trajectory_stats(rollouts: list[Rollout]) -> dict[str, float]:
+    """The multi-turn counts of a batch of trajectories (the step's metrics.jsonl row; metrics/log.py sums the
+    counts and takes the largest maximum over data-parallel replicas): model turns per trajectory (mean, max),
+    tool calls (all, and the share of trajectories with one), environment failures, and trajectories that hit
+    `multiturn.max_turns` / `multiturn.max_total_tokens`."""
+    n = max(1, len(rollouts))
+    turns = [r.extra.get("turns", 1) for r in rollouts]
+    return {
+        "multiturn_turns_mean": sum(turns) / n,
+        "multiturn_turns_max": float(max(turns, default=0)),
+        "multiturn_tool_calls": float(sum(r.extra.get("tool_calls", 0) for r in rollouts)),
+        "multiturn_tool_call_rate": sum(r.extra.get("tool_calls", 0) > 0 for r in rollouts) / n,
+        "multiturn_env_errors": float(sum("env_error" in r.extra for r in rollouts)),
+        "multiturn_turn_limit": float(sum(r.extra.get("limit") == "turns" for r in rollouts)),
+        "multiturn_token_limit": float(sum(r.extra.get("limit") == "tokens" for r in rollouts)),
+    }
 
 
 def make_multiturn(cfg: MultiTurnConfig, engine: RolloutEngine, tokenizer) -> MultiTurnRollouts | None:

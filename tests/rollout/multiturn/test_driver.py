@@ -124,8 +124,10 @@ def _engine_rank():
         # Limits: one turn at most, and a token budget a second turn cannot fit into.
         one = MultiTurnRollouts(engine, tok, EchoEnv, MultiTurnConfig(env="echo", max_turns=1, max_total_tokens=24))
         out["one_turn"] = _as_data(one.generate(items, prompts, sampling))
+        out["one_turn_metrics"] = dict(one.last_metrics)
         tight = MultiTurnRollouts(engine, tok, EchoEnv, MultiTurnConfig(env="echo", max_turns=5, max_total_tokens=9))
         out["tight"] = _as_data(tight.generate(items, prompts, sampling))
+        out["tight_metrics"] = dict(tight.last_metrics)
 
         # Failing environments: each sample fails alone, the call returns, nothing raises.
         kinds = {"raising": RaisingEnv, "hanging": HangingEnv, "garbage": GarbageEnv, "bad_reset": BadResetEnv}
@@ -176,6 +178,15 @@ def test_token_ids_end_to_end_across_turns(result):
         assert segs[-1][0] == 1  # a trajectory ends with a model turn
         assert r["extra"]["turns"] == len(model_turns)
         multi += len(model_turns) > 1
+        # Each model turn's first response position, and its step's reward (EchoEnv: 1 per step).
+        starts, pos = [], 0
+        for m, ids in segs:
+            if m == 1:
+                starts.append(pos)
+            pos += len(ids)
+        assert r["extra"]["turn_starts"] == starts
+        assert r["extra"]["turn_rewards"] == [1.0] * len(model_turns)
+        assert sum(r["extra"]["turn_rewards"]) == r["extra"]["env_reward"]
         # Rebuild the trajectory from the engine calls: each turn's prompt is exactly the ids before it.
         prefix = list(r["prompt_ids"])
         logprobs = []
@@ -200,14 +211,28 @@ def test_token_ids_end_to_end_across_turns(result):
         # R3: the turns' stitched routes cover every input position of the trajectory.
         assert r["routed"].shape[0] == len(r["prompt_ids"]) + len(r["response_ids"]) - 1
     assert multi >= 2, "too few multi-turn trajectories to test anything; change the seed"
-    assert result["metrics"]["multiturn_tool_call_rate"] > 0
+    turns = [sum(1 for m, _ in _segments(r, obs_ids) if m == 1) for r in rollouts]
+    calls = [sum(1 for m, _ in _segments(r, obs_ids) if m == 0) for r in rollouts]
+    m = result["metrics"]
+    assert m["multiturn_turns_mean"] == pytest.approx(sum(turns) / 6) and m["multiturn_turns_max"] == max(turns)
+    assert m["multiturn_tool_calls"] >= sum(calls) and m["multiturn_tool_call_rate"] > 0
+    assert m["multiturn_env_errors"] == 0
 
 
 def test_limits_on_turns_and_tokens(result):
     for r in result["one_turn"]:
         assert 0 not in r["loss_mask"] and r["extra"]["turns"] == 1
+        # Echo never ends a 1-turn episode: every trajectory hit the turn limit.
+        assert r["extra"]["limit"] == "turns" and r["finish_reason"] == "length"
     for r in result["tight"]:
         assert len(r["response_ids"]) <= 9 and r["loss_mask"][-1] == 1
+        # Echo's episode needs 3 turns and 2 observations of 3 tokens: 9 tokens leave the model 3 for its 3 turns,
+        # which (with this seed) no trajectory fits into.
+        assert r["extra"]["limit"] == "tokens" and r["finish_reason"] == "length"
+    assert result["one_turn_metrics"]["multiturn_turn_limit"] == 6
+    assert result["one_turn_metrics"]["multiturn_token_limit"] == 0
+    assert result["tight_metrics"]["multiturn_token_limit"] == 6
+    assert result["tight_metrics"]["multiturn_turn_limit"] == 0
     # Echo's episode needs 3 turns: a trajectory cut earlier by a limit is truncated ('length').
     cut = result["tight"] + result["one_turn"]
     assert any(r["finish_reason"] == "length" and r["extra"]["turns"] < 3 for r in cut)
@@ -225,6 +250,7 @@ def test_failing_environments_fail_their_samples_only(result, kind, reason):
     for r in rollouts:
         assert reason in r["extra"]["env_error"]
         assert r["extra"]["env_reward"] == 0.0 and set(r["loss_mask"]) == {0}
+        assert set(r["extra"]["turn_rewards"]) == {0.0}  # nothing a failed environment said is trusted
 
 
 def test_mixed_failures_leave_the_other_samples_alone(result):

@@ -4,7 +4,8 @@ one SGLang release and sglang-router importable: checks what our engine sends ag
     python tests/rollout/sglang/sglang_harness.py IN.json OUT.json
 
 IN.json: {"requests": [[path, payload], ...], "server_commands": [[argv...]], "router_commands": [[argv...]],
-"responses": [{"payload", "output_ids", "logprobs", "finish", "routes": {"num_tokens", "layers", "topk", "experts"}}]}.
+"responses": [{"payload", "output_ids", "logprobs", "finish", "routes": {"num_tokens", "layers", "topk", "experts",
+"offset" (optional)}}]}.
 OUT.json: one verdict per request / command line, and the response bodies SGLang builds for `responses`.
 
 How each piece is SGLang's own:
@@ -310,8 +311,9 @@ def build_response(spec: dict, io_struct: Any) -> dict:
     experts = None
     if routes is not None:
         n, layers, topk, num = routes["num_tokens"], routes["layers"], routes["topk"], routes["experts"]
-        # int32, as SGLang's routed-experts capturer records them
-        experts = (torch.arange(n * layers * topk, dtype=torch.int32) * 7 % num).reshape(n, layers, topk)
+        # int32, as SGLang's routed-experts capturer records them; `offset` tells records of one prefix apart
+        experts = ((torch.arange(n * layers * topk, dtype=torch.int32) * 7 + routes.get("offset", 0)) % num).reshape(
+            n, layers, topk)
     values = {
         "rids": [rid],
         "finished_reasons": [reason],

@@ -7,8 +7,10 @@ release / resume, group destroy) against fake servers of that release, captures 
 our server and router command lines (the engine's and the launch scripts') to tests/rollout/sglang/sglang_harness.py
 inside that environment. There SGLang validates each body with the request type its HTTP handler declares (and,
 for /generate, what its tokenizer manager does next), parses the command lines with ServerArgs' and the router's
-parsers, and builds /generate answers with its tokenizer manager, which we then decode. A real sglang-router (its
-Rust binary runs on a CPU) is started in front of a fake server to see what it forwards.
+parsers, and builds /generate answers with its tokenizer manager, which we then decode. Multi-turn trajectories
+ride along (multiturn_trajectories.py): every turn's request validated, then the trajectories generated again from
+SGLang's answers to them. A real sglang-router (its Rust binary runs on a CPU) is started in front of a fake server
+to see what it forwards.
 
 When the next SGLang release changes any of it, this fails in CI instead of on a cluster.
 """
@@ -34,6 +36,7 @@ from megatron_gspo.rollout.sglang.versions import SGLANG_ROUTER, TESTED_SGLANG
 from megatron_gspo.rollout.types import SamplingParams
 from tests.distributed import free_port
 from tests.rollout.server.test_transport import named_weights
+from tests.rollout.sglang import multiturn_trajectories as multiturn
 from tests.rollout.sglang.fake_server import FakeSGLang
 from tests.rollout.sglang.test_weight_sync import RecordingGroup
 
@@ -183,11 +186,15 @@ def reports(tmp_path_factory) -> dict:
     model = write_model(tmp / "model")
     servers, routers = engine_commands(model)
     script_servers, script_routers = launch_script_commands(tmp, model)
-    captured, procs = {}, {}
+    captured, procs, turns = {}, {}, {}
     for version in TESTED_SGLANG:
         captured[version] = drive_engine(version, tmp / version)
         spec = dict(captured[version], model_path=str(model), server_commands=servers + script_servers,
                     router_commands=routers + script_routers)
+        if version == multiturn.VERSION:  # multi-turn trajectories' requests and answers ride along
+            turns[version] = multiturn.first_pass()
+            spec["requests"] = spec["requests"] + [["/generate", p] for p in turns[version]["requests"]]
+            spec["responses"] = spec["responses"] + turns[version]["responses"]
         procs[version] = run_harness(version, spec, tmp)
     out = {}
     for version, proc in procs.items():
@@ -196,6 +203,11 @@ def reports(tmp_path_factory) -> dict:
         assert code == 0, f"SGLang {version} harness failed:\n{log[-4000:]}"
         report = json.loads((tmp / f"out-{version}.json").read_text())
         assert report["version"] == version
+        if version in turns:  # the engine's verdicts first, the multi-turn ones apart
+            n, m = len(captured[version]["requests"]), len(captured[version]["responses"])
+            turns[version].update(verdicts=report["requests"][n:], answers=report["responses"][m:])
+            report["requests"], report["responses"] = report["requests"][:n], report["responses"][:m]
+            report["multiturn"] = turns[version]
         out[version] = (captured[version], report, len(servers))
     return out
 
@@ -277,6 +289,48 @@ def test_we_decode_the_answers_sglang_builds(reports, version):
         spec = dict(captured["responses"][0])
         body = report["responses"][0]["body"]
         assert "routed_experts" not in body["meta_info"] or body["meta_info"]["routed_experts"] == {}
+
+
+def test_multi_turn_through_sglangs_own_requests_and_answers(reports):
+    """Multi-turn trajectories (multiturn_trajectories.py): every turn's /generate body is what SGLang's handler
+    accepts, and the trajectories generated again from the answers SGLang's tokenizer manager builds for those
+    very requests are the same: token ids in and out across turns, per-turn routes stitched from each turn's own
+    record."""
+    mt = reports[multiturn.VERSION][1]["multiturn"]
+    first, requests, answers = mt["first"], mt["requests"], mt["answers"]
+    assert any(r.extra["turns"] > 1 for r in first), "no multi-turn trajectory: change the seed"
+    assert [(v["ok"], v.get("ignored_keys") or []) for v in mt["verdicts"]] == [(True, [])] * len(requests)
+    assert all(a["ok"] for a in answers), [a.get("trace") for a in answers if not a["ok"]]
+    canned = {multiturn.key(p): a["body"] for p, a in zip(requests, answers)}
+    routes_of = {multiturn.key(p): a["routes"] for p, a in zip(requests, answers)}
+
+    second, sent = multiturn.trajectories(multiturn.CannedSGLang, canned)
+    assert len(sent) == len(requests)
+    for r1, r2 in zip(first, second):
+        # The same trajectories from SGLang's own answers: ids, log-probs, masks, turns.
+        assert (r2.response_ids, r2.logprobs, r2.loss_mask) == (r1.response_ids, r1.logprobs, r1.loss_mask)
+        assert r2.extra["turn_starts"] == r1.extra["turn_starts"]
+    # Token in, token out: each turn's request is exactly the ids of everything before it (no re-tokenisation),
+    # and SGLang's answer to it is the turn's tokens in the trajectory.
+    turns: dict[int, list] = {}
+    for payload in sent:
+        i, k = multiturn.turn_of(payload, canned[multiturn.key(payload)]["output_ids"], second)
+        turns.setdefault(i, []).append((k, payload))
+    for i, r in enumerate(second):
+        assert sorted(k for k, _ in turns[i]) == list(range(r.extra["turns"]))
+    stitched = 0
+    for i, r in enumerate(second):
+        rows = r.routed_experts.tolist()
+        assert len(rows) == len(r.prompt_ids) + len(r.response_ids) - 1
+        for (start, end, _), (_, payload) in zip(r.extra["route_turns"], sorted(turns[i], key=lambda t: t[0]),
+                                                strict=True):
+            record = routes_of[multiturn.key(payload)]
+            # Per turn: the rows from the previous turn's end come from this turn's own record, the prefix not.
+            assert rows[start:end] == record[start:end]
+            if start:
+                assert record[:start] != rows[:start]
+                stitched += 1
+    assert stitched > 0
 
 
 def test_sglang_0_5_9_routed_experts_are_unusable_and_named(tmp_path):
