@@ -269,6 +269,8 @@ def test_env_factory_names_and_errors():
         env_factory("tests.rollout.multiturn.test_driver:Missing")
     with pytest.raises(ValueError, match="multiturn.max_turns=0"):
         MultiTurnConfig(env="calculator", max_turns=0)
+    with pytest.raises(ValueError, match="multiturn.advantage=turn_return needs multi-turn rollouts; set multiturn.env"):
+        MultiTurnConfig(advantage="turn_return")
 
 
 def test_stop_text_must_be_one_token():
