@@ -342,7 +342,7 @@ def test_multi_turn_routes_stitched_per_turn_across_weight_updates_between_turns
 
 def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_turn(server, models):
     """Per-turn R3 under partial rollouts (issue 28): 2-turn trajectories, a weight sync while the second turn is
-    being sampled (after TURN2_BEFORE_SYNC of its tokens per sample). vLLM continues each second turn under the new
+    being sampled (once 8 of its 160 tokens per sample are out). vLLM continues each second turn under the new
     weights, so the stitched record has rows of both versions inside one turn: every row pairs with the version
     that sampled the token it predicts (turn 1, the environment's tokens and turn 2's first tokens: the old
     version; the rest of turn 2: the new), every model token's log-prob is its own version's, and pairing turn
@@ -357,7 +357,7 @@ def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_tur
     from tests.rollout.multiturn.envs import DigitsEnv
 
     config, dirs = models
-    url, samples, turn2_before_sync = server.server_urls[0], 4, 24
+    url, samples, turn2_before_sync, turn2_tokens = server.server_urls[0], 4, 8, 160
     by_version: dict[int, Path] = {}
     tensors = {d: list(_checkpoint_tensors(d)) for d in dirs}  # read before the turn: the sync must land inside it
 
@@ -395,7 +395,7 @@ def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_tur
                     break
                 assert producer.is_alive() and time.monotonic() < deadline, f"no turn 2 to update under: {m}"
                 time.sleep(0.02)
-            assert sampled < samples * sampling.max_new_tokens / 2, "turn 2 was nearly done before the sync"
+            assert producer.is_alive(), "turn 2 ended before the sync"
             sync(dirs[1])
             producer.join(timeout=300)
             assert not producer.is_alive()
@@ -406,9 +406,9 @@ def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_tur
     tok = CharTokenizer()
     items = [PromptItem("12+34=", "46"), PromptItem("5+7=", "12")]
     mt = MultiTurnRollouts(MidTurnSyncEngine(), tok, DigitsEnv, MultiTurnConfig(env="digits", max_turns=2,
-                                                                                 max_total_tokens=120))
+                                                                                 max_total_tokens=4 + 3 + turn2_tokens))
     rollouts = mt.generate(items, [tok.encode(it.prompt) for it in items],
-                           SamplingParams(max_new_tokens=96, temperature=1.0, n=2, seed=11))
+                           SamplingParams(max_new_tokens=turn2_tokens, temperature=1.0, n=2, seed=11))
     old, new = sorted(by_version)
     assert new == old + 1
     k = config.num_experts_per_tok
@@ -419,9 +419,10 @@ def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_tur
         # token versions: turn 1 and the environment's tokens the old weights', turn 2 switches once inside it
         versions = r.versions
         switch = versions.index(new)
-        assert turn2 < switch < len(versions) and versions == [old] * switch + [new] * (len(versions) - switch), \
+        assert turn2 < switch < len(versions), (i, "the sync did not land inside turn 2", switch)
+        assert versions == [old] * switch + [new] * (len(versions) - switch), \
             (i, versions)
-        assert len(versions) - turn2 == 96  # turn 2 ran to its cap: nothing lost or repeated at the sync
+        assert len(versions) - turn2 == turn2_tokens  # turn 2 ran to its cap: nothing lost or repeated at the sync
         refs = {v: _reference(by_version[v], r, k) for v in (old, new)}
         experts = {v: ref[1] for v, ref in refs.items()}
         route_versions = r.route_versions
