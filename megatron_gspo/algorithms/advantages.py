@@ -47,8 +47,8 @@ def group_advantages(
 def turn_return_advantages(
     rewards_B: torch.Tensor, turn_rewards: list[list[float]], group_size: int, *, eps: float = 1e-6
 ) -> torch.Tensor:
-    """Per-turn advantages of multi-turn trajectories for GSPO-token's A_i,t (Eq.13-14; the paper's motivating use:
-    "finer-grained advantage adjustment" in multi-turn RL), [B, U] in `rewards_B`'s compute dtype:
+    """Per-turn advantages of multi-turn trajectories for GSPO-token's A_i,t (Eq.13-14, REFERENCE.md §1; the paper's
+    motivating use: "finer-grained advantage adjustment" in multi-turn RL), [B, U] in `rewards_B`'s compute dtype:
 
         A_i,u = Eq.6 over the group j of R_j,min(u, L_j),   R_i,u = r_i - sum_{u' < u} r_i,u'
 
