@@ -44,34 +44,43 @@ def group_advantages(
         return torch.where(constant_G1, 0.0, centred_GK).reshape(-1)
 
 
-def turn_return_advantages(turn_rewards_BU: torch.Tensor, group_size: int, *, eps: float = 1e-6) -> torch.Tensor:
-    """Per-turn advantages of multi-turn trajectories for GSPO-token's A_i,t (Eq.13-14; the paper's motivating use:
-    "finer-grained advantage adjustment" in multi-turn RL), fp32 [B, U]:
+def turn_return_advantages(
+    rewards_B: torch.Tensor, turn_rewards: list[list[float]], group_size: int, *, eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-turn advantages of multi-turn trajectories for GSPO-token's A_i,t (Eq.13-14, REFERENCE.md §1; the paper's
+    motivating use: "finer-grained advantage adjustment" in multi-turn RL), [B, U] in `rewards_B`'s compute dtype:
 
-        A_i,u = (R_i,u - mean_j R_j,1) / (std_j R_j,1 + eps),   R_i,u = sum_{u' >= u} r_i,u'
+        A_i,u = Eq.6 over the group j of R_j,min(u, L_j),   R_i,u = r_i - sum_{u' < u} r_i,u'
 
-    r_i,u is the reward of trajectory i's turn u (its environment step; `turn_rewards_BU` zero-padded after a
-    trajectory's last turn), R_i,u the return from turn u on, mean / std over the group of trajectory returns
-    R_j,1 = r_j, i.e. Eq.6's baseline and scale. Why this form: a turn is credited only with what follows it (it
-    cannot change earlier rewards), and the first turn's advantage is Eq.6's A_i, so when only the last turn is
-    rewarded every turn gets A_i and GSPO-token is exactly GSPO (Eq.17 with A_i,t = A_i), the property the paper
-    states; a per-turn-index normalisation would not reduce to it (trajectories have different numbers of
-    turns). Groups whose returns are all equal carry no signal: 0, as in `group_advantages`. Entries past a
-    trajectory's last turn are meaningless (no token reads them). Detached.
+    r_i is trajectory i's reward (what Eq.6's A_i is computed from: the environment's total plus e.g. DAPO's
+    overlong penalty), r_i,u the reward of its turn u (`turn_rewards[i]`, its L_i environment steps), R_i,u the
+    return from turn u on (whatever r_i adds to the turn rewards' sum falls to the last turn). Each turn is
+    baselined and scaled by the group's returns AT THAT TURN (a trajectory that ended before turn u counts with
+    its last turn's return): a turn is credited only with what follows it, against what the group earned from
+    the same point on. Baselining a later turn's return by the group mean of TOTAL rewards instead would push
+    every later turn down by the mean reward of the turns before it, divided by a std that may be tiny. Eq.6
+    per turn keeps |A_i,u| <= sqrt(K - 1) like A_i, and a turn whose returns are equal across the group is 0.
+    When only the last turn is rewarded every R_i,u = r_i, so every turn gets A_i bit for bit and GSPO-token is
+    exactly GSPO (Eq.17 with A_i,t = A_i, the property the paper states); the first turn's return is r_i itself,
+    so its advantage is always A_i bit for bit. Entries past a trajectory's last turn repeat its last turn's and
+    are read by no token. Detached.
     """
-    if turn_rewards_BU.dim() != 2:
-        raise ValueError(f"turn_rewards must be [B, U], got shape {tuple(turn_rewards_BU.shape)}")
+    if rewards_B.dim() != 1 or rewards_B.numel() != len(turn_rewards):
+        raise ValueError(f"rewards must be [B] with one entry per trajectory's turn rewards ({len(turn_rewards)}), "
+                         f"got shape {tuple(rewards_B.shape)}")
+    num_turns_B = torch.tensor([len(own) for own in turn_rewards], dtype=torch.long)
+    if bool((num_turns_B < 1).any()):
+        raise ValueError(f"trajectory {int((num_turns_B < 1).nonzero()[0])} has no turn rewards: every trajectory "
+                         "has at least one model turn")
     with torch.no_grad():
-        r_BU = turn_rewards_BU.detach().to(compute_dtype(turn_rewards_BU))
-        returns_BU = r_BU.flip(-1).cumsum(-1).flip(-1)
-        if returns_BU.shape[1] == 0:
-            raise ValueError("turn_rewards has no turns: every trajectory has at least one model turn")
-        a_B = group_advantages(returns_BU[:, 0], group_size, eps=eps)  # Eq.6 of the returns; checks the grouping
-        total_GK = returns_BU[:, 0].reshape(-1, group_size)
-        mean_G1, std_G1 = total_GK.mean(-1, keepdim=True), total_GK.std(-1, correction=0, keepdim=True)
-        flat_G1 = total_GK.amax(-1, keepdim=True) == total_GK.amin(-1, keepdim=True)
-        u = returns_BU.shape[1]
-        adv_GKU = (returns_BU.reshape(-1, group_size, u) - mean_G1[..., None]) / (std_G1[..., None] + eps)
-        adv_BU = torch.where(flat_G1[..., None], 0.0, adv_GKU).reshape(-1, u)
-        adv_BU[:, 0] = a_B  # the first turn's return is the trajectory's: Eq.6's A_i to the bit
-        return adv_BU
+        width = int(num_turns_B.max()) if len(turn_rewards) else 1
+        turn_BU = torch.zeros(len(turn_rewards), width, dtype=torch.float64)
+        for i, own in enumerate(turn_rewards):
+            turn_BU[i, : len(own)] = torch.tensor([float(x) for x in own], dtype=torch.float64)
+        before_BU = turn_BU.cumsum(-1) - turn_BU  # rewards earned before turn u
+        at_BU = torch.minimum(torch.arange(width)[None, :], num_turns_B[:, None] - 1)  # past the end: the last turn
+        # fp64 arithmetic rounded to the rewards' dtype: the first turn's return is r_i exactly, so Eq.6 below
+        # is the trainer's A_i to the bit.
+        returns_BU = (rewards_B.detach().double()[:, None] - before_BU.gather(1, at_BU)).to(compute_dtype(rewards_B))
+        columns = [group_advantages(returns_BU[:, u].contiguous(), group_size, eps=eps) for u in range(width)]
+        return torch.stack(columns, dim=-1)

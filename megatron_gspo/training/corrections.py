@@ -38,15 +38,22 @@ class BatchCorrections:
 
     def penalize(self, rewards: torch.Tensor, rollouts: list) -> torch.Tensor:
         """Rewards with DAPO's overlong penalty added (`loss.overlong_buffer` > 0; the rewards as they are
-        otherwise). Length = the model's tokens: a multi-turn trajectory's environment / tool tokens are not the
-        model's answer and never make it longer."""
+        otherwise). L = the model's tokens (`loss_mask`'s ones), L_max = what the token budget leaves them: a
+        multi-turn trajectory's environment / tool tokens are not the model's answer, but they use up the budget
+        that cuts it (`multiturn.max_total_tokens`), so a trajectory about to be cut is penalised."""
         if not self.loss.overlong_buffer:
             return rewards
-        lens = torch.tensor([r.num_model_tokens for r in rollouts], dtype=torch.long)
-        return rewards + self._penalty(lens).to(rewards.device, rewards.dtype)
+        model = torch.tensor([r.num_model_tokens for r in rollouts], dtype=torch.long)
+        total = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
+        return rewards + self._penalty(model, total).to(rewards.device, rewards.dtype)
 
-    def _penalty(self, lens_N: torch.Tensor) -> torch.Tensor:
-        return overlong_penalty(lens_N, self.max_length, self.loss.overlong_buffer, self.loss.overlong_penalty_factor)
+    def _penalty(self, model_lens_N: torch.Tensor, response_lens_N: torch.Tensor) -> torch.Tensor:
+        # DAPO with L = model tokens and L_max = max_length - environment tokens is DAPO with L = all response
+        # tokens and L_max = max_length (both move by the environment's tokens). A sample with no model tokens (a
+        # failed environment's) has no answer to penalise.
+        pen = overlong_penalty(response_lens_N, self.max_length, self.loss.overlong_buffer,
+                               self.loss.overlong_penalty_factor)
+        return torch.where(model_lens_N.to(pen.device) == 0, torch.zeros_like(pen), pen)
 
     def apply(self, batch: RolloutBatch, step: int, *, recomputed: bool) -> dict:
         """Corrects `batch` in place for the update at weight version `step` and returns this replica's share of
@@ -86,7 +93,7 @@ class BatchCorrections:
                 if "token_advantages_NS" in batch.extra:
                     batch.extra["token_advantages_NS"] = mask_truncated_advantages(
                         batch.extra["token_advantages_NS"], batch.truncated_N)
-            metrics.update(overlong_stats(batch.truncated_N, self._penalty(batch.model_lens_N)))
+            metrics.update(overlong_stats(batch.truncated_N, self._penalty(batch.model_lens_N, batch.response_lens_N)))
         if staleness_N is not None:
             metrics.update(rollout_bucket_stats(staleness_N, batch.rewards_N, batch.model_lens_N))
         return {k: float(v) for k, v in metrics.items()}

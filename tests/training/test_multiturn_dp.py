@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_gspo.data import CharTokenizer
 from tests.distributed import run_distributed
 from tests.training.multiturn_ranks import FLAKY, failing_step, multiturn_steps
 
@@ -22,17 +23,37 @@ def single(tmp_path_factory):
 
 
 def _counts(trajectories):
-    """The step's multi-turn counts from its trajectories, by their loss masks (not the driver's bookkeeping)."""
+    """The step's multi-turn counts from its trajectories' tokens and prompts alone (not the driver's bookkeeping):
+    the environment fails on prompts starting with 1, 2 or 3, at its first step (ShapedFlakyCalculator), so such a
+    sample has one model turn and no tool call; otherwise model turns are the loss mask's runs of 1, a tool call
+    is a model turn ending in '?' (the calculator answers it and the episode goes on), and a trajectory whose
+    last model turn is a tool call was cut: at max_turns=2 by the turn limit, earlier by the token budget (the
+    observation did not fit), as is an answer cut at max_total_tokens=16."""
+    tok = CharTokenizer("0123456789+-*=?")
+    (call,) = tok.encode("?")
     rollouts = [r for group in trajectories for r in group]
-    turns = []
+    c = {"n": len(rollouts), "errors": 0, "turns": [], "tool": 0, "tool_rate": 0, "turn_limit": 0, "token_limit": 0}
     for r in rollouts:
-        if "env_error" in r.extra:
-            turns.append(r.extra["turns"])  # a failed sample's mask is all 0
+        if tok.decode(r.prompt_ids)[:1] in ("1", "2", "3"):
+            c["errors"] += 1
+            c["turns"].append(1)
+            c["token_limit"] += r.finish_reason == "length" and len(r.response_ids) >= 16
             continue
-        mask = r.loss_mask
-        turns.append(sum(1 for p, m in enumerate(mask) if m and (p == 0 or not mask[p - 1])))
-    return {"n": len(rollouts), "errors": sum("env_error" in r.extra for r in rollouts), "turns_max": max(turns),
-            "turns_mean": sum(turns) / len(turns), "tool": sum(t > 1 for t in turns)}
+        mask, turns = r.loss_mask, []
+        for p, m in enumerate(mask):
+            if m and (p == 0 or not mask[p - 1]):
+                turns.append([])
+            if m:
+                turns[-1].append(r.response_ids[p])
+        calls = sum(t[-1] == call for t in turns)
+        c["turns"].append(len(turns))
+        c["tool"] += calls
+        c["tool_rate"] += calls > 0
+        if turns[-1][-1] == call and len(turns) == 2:
+            c["turn_limit"] += 1
+        elif turns[-1][-1] == call or (r.finish_reason == "length" and len(r.response_ids) >= 16):
+            c["token_limit"] += 1
+    return c
 
 
 def test_environment_failures_are_reward_errors_and_multiturn_counts_are_logged(single):
@@ -42,15 +63,20 @@ def test_environment_failures_are_reward_errors_and_multiturn_counts_are_logged(
     for row, disk, trajectories in zip(rows, on_disk, single["trajectories"]):
         c = _counts(trajectories)
         assert c["errors"] > 0, "no environment failed: the count is untested"
+        assert c["tool"] > 0, "no tool call: the counts are untested"
         for key in ("multiturn_env_errors", "reward_errors"):
             assert row[key] == disk[key] == c["errors"], key
         assert row["reward_error_frac"] == pytest.approx(c["errors"] / c["n"])
-        assert row["multiturn_turns_max"] == c["turns_max"]
-        assert row["multiturn_turns_mean"] == pytest.approx(c["turns_mean"])
-        assert row["multiturn_tool_calls"] >= c["tool"]
-        for key in ("multiturn_turn_limit", "multiturn_token_limit", "multiturn_tool_call_rate"):
-            assert key in disk
+        assert disk["multiturn_turns_max"] == max(c["turns"])
+        assert disk["multiturn_turns_mean"] == pytest.approx(sum(c["turns"]) / c["n"])
+        assert disk["multiturn_tool_calls"] == c["tool"]
+        assert disk["multiturn_tool_call_rate"] == pytest.approx(c["tool_rate"] / c["n"])
+        assert disk["multiturn_turn_limit"] == c["turn_limit"]
+        assert disk["multiturn_token_limit"] == c["token_limit"]
+        assert {k: row[k] for k in disk if k.startswith("multiturn_")} == {k: v for k, v in disk.items()
+                                                                           if k.startswith("multiturn_")}
     failed = [r for t in single["trajectories"] for g in t for r in g if "env_error" in r.extra]
+    assert len(failed) == sum(_counts(t)["errors"] for t in single["trajectories"])
     assert all("raised ConnectionError: calculator service unavailable" in r.extra["env_error"] for r in failed)
 
 

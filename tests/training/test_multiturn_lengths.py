@@ -26,30 +26,33 @@ def _trajectory(model: list[int], env: tuple[int, ...] = (), finish="stop") -> R
     return Rollout([1, 2], ids, [0.0] * len(ids), finish, loss_mask=mask)
 
 
-def test_overlong_penalty_counts_model_tokens_not_environment_tokens():
+def test_overlong_penalty_measures_model_tokens_against_what_the_budget_leaves_them():
     cfg = load_run_config(CONFIG, ["loss.overlong_buffer=4"])
     corrections = BatchCorrections(cfg)
-    # L_max = multiturn.max_total_tokens = 16, L_cache = 4: a model length L > 12 is penalised (12 - L) / 4.
+    # multiturn.max_total_tokens = 16, L_cache = 4; L = a trajectory's model tokens, L_max = 16 - its environment
+    # tokens: penalised (L_max - 4 - L) / 4 past L_max - 4, written out per row.
+    failed = _trajectory([15])
+    failed.loss_mask = [0] * 15  # a failed environment's sample: nothing of the model's to penalise
     rollouts = [
-        _trajectory([3, 3], [8]),  # 14 tokens, 6 of them the model's: no penalty (14 would give -0.5)
-        _trajectory([7, 6], [2]),  # 15 tokens, 13 the model's: -0.25 (15 would give -0.75)
-        _trajectory([10]),  # single-turn-like, all the model's: 0
-        Rollout([1, 2], [3] * 14, [0.0] * 14, "length"),  # no loss mask: every token the model's, -0.5
+        _trajectory([3, 3], [8]),  # L = 6, L_max = 8: (4 - 6) / 4 = -0.5 (its model tokens alone: 6 <= 12, none)
+        _trajectory([7, 6], [2]),  # L = 13, L_max = 14: (10 - 13) / 4 = -0.75
+        _trajectory([4], [11]),  # L = 4, L_max = 5 (its next turn would be cut): (1 - 4) / 4 = -0.75
+        _trajectory([10]),  # single-turn-like, L = 10, L_max = 16: 0
+        Rollout([1, 2], [3] * 14, [0.0] * 14, "length"),  # no loss mask: L = 14, L_max = 16: -0.5
+        failed,
     ]
-    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     penalised = corrections.penalize(rewards, rollouts)
-    assert penalised.tolist() == pytest.approx([1.0, 0.75, 0.0, -0.5])
-    # What counting every response token would have given: the environment's tokens change the answer.
-    by_total = overlong_penalty(torch.tensor([len(r.response_ids) for r in rollouts]), 16, 4)
-    assert by_total.tolist()[:2] == pytest.approx([-0.5, -0.75])
+    assert penalised.tolist() == pytest.approx([0.5, 0.25, 0.25, 0.0, -0.5, 0.0])
 
-    # The step's overlong statistics and length metrics read the packed batch's model lengths.
-    batch = pack_rollouts(rollouts, 18, 0, penalised, torch.zeros(4))
-    assert batch.model_lens_N.tolist() == [6, 13, 10, 14]
-    assert batch.response_lens_N.tolist() == [14, 15, 10, 14]  # the layout's lengths are unchanged
+    # The step's overlong statistics read the packed batch's lengths the same way; its length metrics are the
+    # model's tokens.
+    batch = pack_rollouts(rollouts, 18, 0, penalised, torch.zeros(6))
+    assert batch.model_lens_N.tolist() == [6, 13, 4, 10, 14, 0]
+    assert batch.response_lens_N.tolist() == [14, 15, 15, 10, 14, 15]  # the layout's lengths are unchanged
     metrics = corrections.apply(batch, step=0, recomputed=False)
-    assert metrics["overlong_penalty_mean"] == pytest.approx((0 - 0.25 + 0 - 0.5) / 4)
-    assert metrics["overlong_penalized_frac"] == pytest.approx(2 / 4)
+    assert metrics["overlong_penalty_mean"] == pytest.approx((-0.5 - 0.75 - 0.75 + 0 - 0.5 + 0) / 6)
+    assert metrics["overlong_penalized_frac"] == pytest.approx(4 / 6)
 
 
 def test_overlong_buffer_is_checked_against_the_trajectory_budget():
@@ -65,3 +68,6 @@ def test_per_turn_advantages_need_a_per_token_loss():
     with pytest.raises(ValueError, match="multiturn.advantage='turns' must be one of trajectory, turn_return"):
         load_run_config(CONFIG, ["multiturn.advantage=turns"])
     assert load_run_config(CONFIG, ["multiturn.advantage=turn_return", "loss.algorithm=gspo_token"])
+    with pytest.raises(ValueError, match="multiturn.advantage=turn_return needs multi-turn rollouts; set "
+                                         "multiturn.env or multiturn.advantage=trajectory"):
+        load_run_config(CONFIG, ["multiturn.env=null", "multiturn.advantage=turn_return", "loss.algorithm=gspo_token"])

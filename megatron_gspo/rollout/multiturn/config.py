@@ -38,6 +38,9 @@ class MultiTurnConfig:
             raise ValueError(f"multiturn.env_timeout_s={self.env_timeout_s!r} must be > 0")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"multiturn.advantage={self.advantage!r} must be one of {', '.join(ADVANTAGES)}")
+        if self.advantage != "trajectory" and self.env is None:  # single-turn rollouts have no turns to credit
+            raise ValueError(f"multiturn.advantage={self.advantage} needs multi-turn rollouts; set multiturn.env or "
+                             "multiturn.advantage=trajectory")
 
     @property
     def enabled(self) -> bool:

@@ -16,18 +16,12 @@ def turn_token_advantages(rollouts: list[Rollout], rewards_B: torch.Tensor, grou
     """Per response token of each trajectory, the advantage of the model turn it belongs to (0 on environment
     tokens, which are never trained on). Turn rewards are `extra['turn_rewards']` (the environment's per step);
     what `rewards_B` adds to their sum (DAPO's overlong penalty; a failed sample's 0) goes to the last turn, so
-    the returns are the rewards GSPO's A_i is computed from and the first turn's advantage is A_i."""
+    the first turn's return is the reward GSPO's A_i is computed from and its advantage is A_i bit for bit."""
     missing = [i for i, r in enumerate(rollouts) if "turn_rewards" not in r.extra or "turn_starts" not in r.extra]
     if missing:
         raise ValueError(f"multiturn.advantage=turn_return needs multi-turn trajectories; rollout {missing[0]} has "
                          "no per-turn rewards (extra['turn_rewards'])")
-    width = max(len(r.extra["turn_rewards"]) for r in rollouts)
-    turn_BU = torch.zeros(len(rollouts), width, dtype=torch.float64)
-    for i, r in enumerate(rollouts):
-        own = r.extra["turn_rewards"]
-        turn_BU[i, : len(own)] = torch.tensor(own, dtype=torch.float64)
-        turn_BU[i, len(own) - 1] += float(rewards_B[i]) - float(turn_BU[i].sum())
-    adv_BU = turn_return_advantages(turn_BU, group_size).float()
+    adv_BU = turn_return_advantages(rewards_B, [r.extra["turn_rewards"] for r in rollouts], group_size)
     out = []
     for i, r in enumerate(rollouts):
         starts, mask = r.extra["turn_starts"], r.loss_mask or [1] * len(r.response_ids)

@@ -112,9 +112,16 @@ def _engine_rank():
     out = {}
     try:
         engine = RecordingEngine(LocalEngine(chunks, cfg, pad_id=tok.pad_id))
-        mt = MultiTurnRollouts(engine, tok, EchoEnv, MultiTurnConfig(env="echo", max_turns=3, max_total_tokens=24))
+        envs = []  # every environment the driver made, to count its steps independently of the driver
+
+        def echo():
+            envs.append(EchoEnv())
+            return envs[-1]
+
+        mt = MultiTurnRollouts(engine, tok, echo, MultiTurnConfig(env="echo", max_turns=3, max_total_tokens=24))
         sampling = SamplingParams(max_new_tokens=5, temperature=1.0, n=3, seed=7)
         rollouts = mt.generate(items, prompts, sampling)
+        out["env_steps"] = [e.seen for e in envs[1:]]  # the first: the driver's probe of the stop texts
         out["rollouts"] = _as_data(rollouts)
         out["calls"] = [(p, s.n, s.max_new_tokens, s.stop_token_ids, _as_data(o)) for p, s, o in engine.calls]
         out["metrics"] = dict(mt.last_metrics)
@@ -215,7 +222,14 @@ def test_token_ids_end_to_end_across_turns(result):
     calls = [sum(1 for m, _ in _segments(r, obs_ids) if m == 0) for r in rollouts]
     m = result["metrics"]
     assert m["multiturn_turns_mean"] == pytest.approx(sum(turns) / 6) and m["multiturn_turns_max"] == max(turns)
-    assert m["multiturn_tool_calls"] >= sum(calls) and m["multiturn_tool_call_rate"] > 0
+    # A tool call is a step the environment answered without ending the episode (EchoEnv ends it at its 3rd):
+    # each one's observation is in the trajectory unless a limit cut it there.
+    steps = result["env_steps"]
+    assert len(steps) == 6 and sorted(steps) == sorted(turns)  # one step per model turn
+    answered = [min(n, 2) for n in steps]
+    assert m["multiturn_tool_calls"] == sum(answered) >= sum(calls)
+    assert m["multiturn_tool_call_rate"] == pytest.approx(sum(a > 0 for a in answered) / 6)
+    assert sum(answered) > 0
     assert m["multiturn_env_errors"] == 0
 
 
@@ -269,6 +283,8 @@ def test_env_factory_names_and_errors():
         env_factory("tests.rollout.multiturn.test_driver:Missing")
     with pytest.raises(ValueError, match="multiturn.max_turns=0"):
         MultiTurnConfig(env="calculator", max_turns=0)
+    with pytest.raises(ValueError, match="multiturn.advantage=turn_return needs multi-turn rollouts"):
+        MultiTurnConfig(advantage="turn_return")
 
 
 def test_stop_text_must_be_one_token():

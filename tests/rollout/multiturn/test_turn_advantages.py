@@ -48,43 +48,66 @@ REWARDS = torch.tensor([1.25, 0.0, 0.5 - 0.5, 1.0, 0.0, 1.0])
 
 
 def _by_hand(rollouts, rewards, group_size, eps=1e-6):
-    """A_i,u = (sum_{u' >= u} r_i,u' - mean_j r_j) / (std_j r_j + eps), the penalty on the last turn; in Python."""
+    """A_i,u = (R_i,u - mean_j R_j,u) / (std_j R_j,u + eps), R_i,u = r_i - (turn rewards before u), a trajectory
+    past its last turn counted at its last turn; in Python."""
     out = []
     for g in range(0, len(rollouts), group_size):
-        totals = [float(x) for x in rewards[g : g + group_size]]
-        mean = sum(totals) / group_size
-        std = math.sqrt(sum((x - mean) ** 2 for x in totals) / group_size)
-        for i in range(g, g + group_size):
-            turns = list(rollouts[i].extra["turn_rewards"])
-            turns[-1] += totals[i - g] - sum(turns)
-            returns = [sum(turns[u:]) for u in range(len(turns))]
-            out.append([0.0 if max(totals) == min(totals) else (x - mean) / (std + eps) for x in returns])
+        group = range(g, g + group_size)
+        turns = {i: list(rollouts[i].extra["turn_rewards"]) for i in group}
+        width = max(len(t) for t in turns.values())
+        columns = []
+        for u in range(width):
+            returns = [float(rewards[i]) - sum(turns[i][: min(u, len(turns[i]) - 1)]) for i in group]
+            mean = sum(returns) / group_size
+            std = math.sqrt(sum((x - mean) ** 2 for x in returns) / group_size)
+            columns.append([0.0 if max(returns) == min(returns) else (x - mean) / (std + eps) for x in returns])
+        out += [[columns[u][i - g] for u in range(len(turns[i]))] for i in group]
     return out
 
 
 def test_turn_returns_match_the_formula_and_reduce_to_eq6():
     rollouts = GROUP0 + GROUP1
-    width = 3
-    turns = torch.zeros(6, width, dtype=torch.float64)
-    for i, r in enumerate(rollouts):
-        own = list(r.extra["turn_rewards"])
-        own[-1] += float(REWARDS[i]) - sum(own)
-        turns[i, : len(own)] = torch.tensor(own, dtype=torch.float64)
-    adv = turn_return_advantages(turns, 3)
+    turns = [r.extra["turn_rewards"] for r in rollouts]
+    adv = turn_return_advantages(REWARDS, turns, 3)
+    assert adv.dtype == torch.float32 and adv.shape == (6, 3)
     for i, expected in enumerate(_by_hand(rollouts, REWARDS, 3)):
-        assert adv[i, : len(expected)].tolist() == pytest.approx(expected, abs=1e-9), i
-    # The first turn's advantage is Eq.6's A_i bit for bit; only-last-turn rewards give every turn A_i.
-    assert torch.equal(adv[:, 0], group_advantages(REWARDS.double(), 3))
+        assert adv[i, : len(expected)].tolist() == pytest.approx(expected, abs=1e-6), i
+    # The first turn's advantage is Eq.6's A_i bit for bit (fp32 as the trainer computes it, and fp64);
+    # only-last-turn rewards give every turn A_i.
+    assert torch.equal(adv[:, 0], group_advantages(REWARDS, 3))
+    assert torch.equal(turn_return_advantages(REWARDS.double(), turns, 3)[:, 0], group_advantages(REWARDS.double(), 3))
     for i in (3, 4, 5):
         n = len(rollouts[i].extra["turn_rewards"])
         assert torch.equal(adv[i, :n], adv[i, :1].expand(n)), i
     # The shaped group's turns differ (the trajectory 0's answer turn earns less credit than its first turn).
     assert adv[0, 0] != adv[0, 1]
-    assert torch.equal(turn_return_advantages(torch.ones(3, 2), 3), torch.zeros(3, 2))  # no signal: 0
-    with pytest.raises(ValueError, match=r"turn_rewards must be \[B, U\]"):
-        turn_return_advantages(torch.ones(3), 3)
+    assert torch.equal(turn_return_advantages(torch.ones(3), [[0.5, 0.5]] * 3, 3), torch.zeros(3, 2))  # no signal
+    with pytest.raises(ValueError, match=r"rewards must be \[B\] with one entry per trajectory's turn rewards \(3\)"):
+        turn_return_advantages(torch.ones(2), [[1.0]] * 3, 3)
+    with pytest.raises(ValueError, match="trajectory 1 has no turn rewards"):
+        turn_return_advantages(torch.ones(3), [[1.0], [], [1.0]], 3)
     with pytest.raises(ValueError, match="not a multiple of group_size=4"):
-        turn_return_advantages(torch.ones(3, 2), 4)
+        turn_return_advantages(torch.ones(3), [[1.0]] * 3, 4)
+
+
+def test_rewarded_earlier_turns_do_not_push_later_turns_down():
+    """The reviewer's case: every trajectory earns 0.25 for its tool call, the answers 1, 1, 1 and 0.99. Written by
+    hand: the totals 1.25, 1.25, 1.25, 1.24 have mean 1.2475 and std sqrt(3) * 0.0025; the answer turns' returns
+    1, 1, 1, 0.99 have mean 0.9975 and the same std. So both turns get +1/sqrt(3) for the first three and -sqrt(3)
+    for the fourth (a baseline of the TOTAL rewards' mean gave the answer turns (1 - 1.2475) / 0.00433 = -57.2)."""
+    turns = [[0.25, 1.0], [0.25, 1.0], [0.25, 1.0], [0.25, 0.99]]
+    rewards = torch.tensor([1.25, 1.25, 1.25, 1.24], dtype=torch.float64)
+    adv = turn_return_advantages(rewards, turns, 4, eps=0.0)
+    expected = [[3**-0.5, 3**-0.5]] * 3 + [[-(3**0.5), -(3**0.5)]]
+    assert adv.tolist() == [pytest.approx(row, rel=1e-9) for row in expected]
+    # A trajectory that ended earlier counts with its last turn's return: trajectory 1 answered in one turn
+    # (reward 1), the others earned 0.5 for a tool call and then 0, 0.5, 0.5. Turn 1: returns 0.5, 1, 1, 1 (mean
+    # 0.875, std sqrt(3)/8) -> -sqrt(3), 1/sqrt(3) x 3; turn 2: 0, 1, 0.5, 0.5 (mean 0.5, std 1/sqrt(8)) -> -sqrt(2),
+    # sqrt(2), 0, 0.
+    turns = [[0.5, 0.0], [1.0], [0.5, 0.5], [0.5, 0.5]]
+    adv = turn_return_advantages(torch.tensor([0.5, 1.0, 1.0, 1.0], dtype=torch.float64), turns, 4, eps=0.0)
+    assert adv[:, 0].tolist() == pytest.approx([-(3**0.5), 3**-0.5, 3**-0.5, 3**-0.5], rel=1e-9)
+    assert adv[:, 1].tolist() == pytest.approx([-(2**0.5), 2**0.5, 0.0, 0.0], rel=1e-9, abs=1e-12)
 
 
 def _packed(rollouts, rewards):
@@ -159,9 +182,11 @@ def test_equal_per_turn_advantages_make_gspo_token_equal_gspo():
     (grad_tok,) = torch.autograd.grad(tok.loss, lp)
     seq = gspo_loss(lp, old, batch.advantages_N.double(), mask)
     (grad_seq,) = torch.autograd.grad(seq.loss, lp)
-    # fp32 advantages (as trained): A_i,u from fp64 returns and A_i from fp32 rewards round apart by ~1e-7.
-    torch.testing.assert_close(tok.loss, seq.loss, rtol=0, atol=1e-7)
-    torch.testing.assert_close(grad_tok, grad_seq, rtol=1e-6, atol=1e-8)
+    # fp32 advantages as trained: every turn's A_i,u is the trainer's A_i bit for bit.
+    token_adv = batch.extra["token_advantages_NS"]
+    assert torch.equal(token_adv, batch.advantages_N[:, None].expand_as(token_adv) * mask)
+    torch.testing.assert_close(tok.loss, seq.loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_tok, grad_seq, rtol=1e-12, atol=0)
     assert grad_seq.abs().sum() > 0
     for key in ("clip_frac_low_seq", "clip_frac_high_seq"):
         assert float(tok.metrics[key]) == pytest.approx(float(seq.metrics[key]))

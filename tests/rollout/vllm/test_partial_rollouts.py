@@ -349,6 +349,108 @@ def test_multi_turn_routes_stitched_per_turn_across_weight_updates_between_turns
     assert spanning >= 2, "too few multi-turn trajectories to test anything; change the seed"
 
 
+def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_turn(server, models):
+    """Per-turn R3 under partial rollouts (issue 28): 2-turn trajectories, a weight sync while the second turn is
+    being sampled (once 8 of its 160 tokens per sample are out). vLLM continues each second turn under the new
+    weights, so the stitched record has rows of both versions inside one turn: every row pairs with the version
+    that sampled the token it predicts (turn 1, the environment's tokens and turn 2's first tokens: the old
+    version; the rest of turn 2: the new), every model token's log-prob is its own version's, and pairing turn
+    2's rows with the newest version alone fails. The wrapper only orders the calls (a sync before turn 1, one
+    inside turn 2) and sends every turn to the real server without stop ids (random weights sample eos about
+    once in 16 tokens, which would end turn 2 before the sync), turn 1 capped at 4 tokens."""
+    import dataclasses
+
+    from megatron_gspo.data import CharTokenizer, PromptItem
+    from megatron_gspo.rollout.multiturn import MultiTurnConfig, MultiTurnRollouts
+    from megatron_gspo.rollout.types import SamplingParams
+    from tests.rollout.multiturn.envs import DigitsEnv
+
+    config, dirs = models
+    url, samples, turn2_before_sync, turn2_tokens = server.server_urls[0], 4, 8, 160
+    by_version: dict[int, Path] = {}
+    tensors = {d: list(_checkpoint_tensors(d)) for d in dirs}  # read before the turn: the sync must land inside it
+
+    def sync(directory: Path) -> None:
+        server._exporter = lambda chunks: iter(tensors[directory])
+        server.update_weights([], version=server.weight_version + 1)
+        by_version[server.weight_version] = directory
+
+    class MidTurnSyncEngine:
+        weight_version = server.weight_version
+        calls = 0
+
+        def generate(self, prompts, sampling):
+            self.calls += 1
+            sampling = dataclasses.replace(sampling, stop_token_ids=())
+            if self.calls == 1:
+                sync(dirs[0])
+                return server.generate(prompts, dataclasses.replace(sampling, max_new_tokens=4))
+            before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
+            result: dict = {}
+
+            def produce() -> None:
+                try:
+                    result["outs"] = server.generate(prompts, sampling)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+                    result["error"] = e
+
+            producer = threading.Thread(target=produce, name="turn-2")
+            producer.start()
+            deadline = time.monotonic() + 120
+            while True:
+                m = _metrics(url)
+                sampled = m.get("vllm:generation_tokens_total", 0.0) - before
+                if m.get("vllm:num_requests_running", 0) == samples and sampled >= samples * turn2_before_sync:
+                    break
+                assert producer.is_alive() and time.monotonic() < deadline, f"no turn 2 to update under: {m}"
+                time.sleep(0.02)
+            assert producer.is_alive(), "turn 2 ended before the sync"
+            sync(dirs[1])
+            producer.join(timeout=300)
+            assert not producer.is_alive()
+            if "error" in result:
+                raise result["error"]
+            return result["outs"]
+
+    tok = CharTokenizer()
+    items = [PromptItem("12+34=", "46"), PromptItem("5+7=", "12")]
+    mt = MultiTurnRollouts(MidTurnSyncEngine(), tok, DigitsEnv, MultiTurnConfig(env="digits", max_turns=2,
+                                                                                 max_total_tokens=4 + 3 + turn2_tokens))
+    rollouts = mt.generate(items, [tok.encode(it.prompt) for it in items],
+                           SamplingParams(max_new_tokens=turn2_tokens, temperature=1.0, n=2, seed=11))
+    old, new = sorted(by_version)
+    assert new == old + 1
+    k = config.num_experts_per_tok
+    for i, r in enumerate(rollouts):
+        assert r.extra["turns"] == 2 and r.finish_reason == "length", i
+        turn2 = r.extra["turn_starts"][1]
+        assert r.extra["turn_starts"][0] == 0 and turn2 == 4 + len(tok.encode("00="))
+        # token versions: turn 1 and the environment's tokens the old weights', turn 2 switches once inside it
+        versions = r.versions
+        switch = versions.index(new)
+        assert turn2 < switch < len(versions), (i, "the sync did not land inside turn 2", switch)
+        assert versions == [old] * switch + [new] * (len(versions) - switch), \
+            (i, versions)
+        assert len(versions) - turn2 == turn2_tokens  # turn 2 ran to its cap: nothing lost or repeated at the sync
+        refs = {v: _reference(by_version[v], r, k) for v in (old, new)}
+        experts = {v: ref[1] for v, ref in refs.items()}
+        route_versions = r.route_versions
+        assert r.routed_experts.shape[0] == len(route_versions) == len(r.prompt_ids) + len(r.response_ids) - 1
+        row_switch = len(r.prompt_ids) - 1 + switch  # the first row whose forward ran under the new weights
+        assert route_versions == [old] * row_switch + [new] * (len(route_versions) - row_switch), i
+        assert _pairing_errors(r, route_versions, experts) == [], i
+        assert [(s, v) for s, _, v in r.extra["route_turns"]] == [(0, old), (len(r.prompt_ids) + 4 - 1, old)]
+        own = torch.stack([refs[v][0][t] for t, v in enumerate(versions)])
+        mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+        assert (torch.tensor(r.logprobs) - own)[mask].abs().max() < 1e-4, i
+        # the check tells the versions apart inside turn 2: its rows before the switch are not the new weights'
+        turn2_rows = range(len(r.prompt_ids) - 1 + turn2, row_switch)
+        wrong = _pairing_errors(r, [new] * len(route_versions), experts)
+        assert any(row in wrong for row in turn2_rows), (i, wrong[:5])
+        print(f"trajectory {i}: turn 2 from token {turn2}, sync at token {switch}; pairing its rows with the new "
+              f"weights alone is wrong on {sum(row in wrong for row in turn2_rows)} of {len(turn2_rows)} rows")
+
+
 def test_a_server_left_inside_a_weight_update_takes_the_next_trainers_push(server, models, tmp_path):
     """kill -9 of a trainer between /start_weight_update and /finish_weight_update leaves a server it attached to
     paused and inside a weight update; vLLM refuses the next /start_weight_update until that one is finished, so
