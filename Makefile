@@ -34,8 +34,15 @@ slurm-env:
 # The vLLM end-to-end tests (tests/rollout/vllm) start real servers from $(VLLM_VENV); the SGLang conformance test
 # (tests/rollout/sglang/test_conformance.py) runs SGLang's own code from $(SGLANG_CONFORMANCE); the launch tests
 # run the Slurm scripts under a real one-host Slurm (slurm-env).
+# Two pytest workers (pytest-xdist), a test file each at a time (--dist loadfile: a module's server or Slurm
+# cluster is started once, on one worker): most tests drive tiny models whose time goes to Python, not to torch's
+# threads, so one test per core finishes the suite sooner than one test on both (README "Tests" has the figures).
+# Then the tests marked `alone` (a weight update that must land while a real server is mid-generation), with
+# nothing beside them. TEST_WORKERS=0 runs the first part in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_CONFORMANCE_STAMP) slurm-env
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" tests
+	$(PY) -m pytest -q -m alone tests
 
 demo: $(STAMP)
 	$(PY) -m megatron_gspo.cli.main demo --overwrite

@@ -46,7 +46,7 @@ setup(
     ],
     extras_require={
         # import-linter: the layer rules of DESIGN.md, checked by tests/test_architecture.py (pyproject.toml).
-        "test": ["pytest", "pytest-timeout", "import-linter==2.17"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "import-linter==2.17"],
         "lint": ["ruff", "mypy"],
         # GPU clusters: TE for the fused layer spec, sglang-router for load balancing. SGLang itself pins its own
         # torch / transformers and must live in a separate environment (REFERENCE.md §6): install a `rollout`

@@ -3,8 +3,13 @@ import os
 import pytest
 import torch
 
-# Two cores on CI: keep intra-op threads low so spawned ranks do not oversubscribe.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two cores on CI: keep intra-op threads low so spawned ranks do not oversubscribe. Under pytest-xdist (`make test`
+# runs one worker per core) each worker gets one thread: two workers with two threads each would oversubscribe the
+# cores. (Not through OMP_NUM_THREADS: the launch tests check what the scripts derive when it is unset.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_collection_modifyitems(config, items):
