@@ -138,9 +138,14 @@ def cmd_stability(args) -> int:
     from megatron_gspo.training.runtime import configure_logging
 
     configure_logging()
+    cell = []
+    if args.cell:
+        from megatron_gspo.benchmarks.stability.drivers import cell_overrides
+
+        cell = cell_overrides(args.cell)
     result = run_stability(
         args.config or str(STABILITY_CONFIG),
-        args.overrides,
+        [*cell, *args.overrides],
         args.out,
         [v.strip() for v in args.variants.split(",") if v.strip()],
         seeds=args.seeds,
@@ -227,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed count N (trainer.seed .. trainer.seed + N - 1) or a comma list of seeds")
     p.add_argument("--budget-minutes", type=float, default=None,
                    help="start no run that would end past this many minutes (estimate: the longest run so far)")
+    p.add_argument("--cell", default=None,
+                   help="collapse drivers applied before the overrides (benchmarks/stability/drivers.py), e.g. "
+                        "engine_bf16+k8")
     p.set_defaults(func=cmd_stability)
     from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS
 

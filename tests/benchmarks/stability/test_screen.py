@@ -212,3 +212,19 @@ def test_router_flips_per_layer_against_sets():
         assert float(out["routing_mismatch_tokens_changed_per_layer"][layer]) == pytest.approx(sum(differs) / len(tokens))
     any_layer = [any(set(engine[t, x].tolist()) != set(trainer[t, x].tolist()) for x in range(3)) for t in tokens]
     assert float(out["routing_mismatch_tokens_changed"]) == pytest.approx(sum(any_layer) / len(tokens))
+
+
+def test_stability_cell_option_puts_the_cells_overrides_before_the_users(monkeypatch, tmp_path):
+    from megatron_gspo.benchmarks.stability import benchmark
+    from megatron_gspo.cli.main import main
+
+    seen = {}
+
+    def fake_run_stability(config, overrides, out, variants, **kwargs):
+        seen.update(config=config, overrides=overrides)
+        return benchmark.BenchmarkResult(report=tmp_path / "none.md")
+
+    monkeypatch.setattr(benchmark, "run_stability", fake_run_stability)
+    assert main(["stability", "--cell", "engine_bf16+k8", "--out", str(tmp_path), "optim.lr=1e-4"]) == 0
+    assert seen["overrides"] == [*cell_overrides("engine_bf16+k8"), "optim.lr=1e-4"]
+    assert seen["config"].endswith("stability_moe.yaml")
