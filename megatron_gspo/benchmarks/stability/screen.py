@@ -217,6 +217,44 @@ def _row(plan: ScreenPlan, cell: str, variant: str, status: str, seconds: float,
     return json.loads(json.dumps(json_safe(row)))  # the row as the file holds it (layer keys are strings)
 
 
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def write_screen_table(rows_path: Path) -> Path:
+    """screen.md beside the rows: the last row of each (cell, variant, seed), in the order first run."""
+    rows = last_rows(rows_path)
+    lines = [
+        f"# Screening pass of the collapse drivers ({rows_path.name}: {len(rows)} runs)",
+        "",
+        "Rows are appended by `megatron-gspo stability-screen` (command and code version in each row). Verdicts by "
+        "the collapse rule of report.md; `early_stop`: stopped once the collapse was certain; `cut`: stopped by "
+        "the deadline, verdict of the steps run. KL: k3 train / inference KL (mean / max over steps); F(2): share "
+        "of response tokens with pi_train / pi_rollout > 2; router flips: share of response tokens the engine "
+        "routes to another top-k set than the trainer in >= 1 layer, and the largest per-layer share.",
+        "",
+        "| cell | variant | seed | status | steps | verdict | best reward | final reward | held-out before -> after "
+        "| KL mean / max | F(2) | router flips >= 1 layer / max layer (%) | drift / step (%) | clip tok low / high "
+        "| s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows.values():
+        layers = [v for v in (r.get("router_flips_per_layer") or {}).values() if v is not None]
+        lines.append(
+            f"| {r['cell']} | {r['variant']} | {r['seed']} | {r['status']} | {r.get('steps', 0)}/{r['steps_planned']} "
+            f"| {r.get('verdict', '-')} | {_fmt(r.get('best_reward'), '.3f')} | {_fmt(r.get('final_reward'), '.3f')} "
+            f"| {_fmt(r.get('eval_before'), '.3f')} -> {_fmt(r.get('eval_after'), '.3f')} "
+            f"| {_fmt(r.get('mismatch_kl'), '.1e')} / {_fmt(r.get('mismatch_kl_max'), '.1e')} "
+            f"| {_fmt(r.get('frac_ratio_above_2'), '.1e')} "
+            f"| {_fmt(r.get('router_flips_any_layer'), '.1f', 100)} / {_fmt(max(layers, default=None), '.1f', 100)} "
+            f"| {_fmt(r.get('expert_drift'), '.2f', 100)} "
+            f"| {_fmt(r.get('clip_low_tok'), '.1e')} / {_fmt(r.get('clip_high_tok'), '.1e')} | {r['seconds']:.0f} |"
+        )
+    path = rows_path.with_suffix(".md")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def run_screen(plan: ScreenPlan, runner=watch_run) -> list[dict]:
     """Every (cell, variant) of the plan not already done; returns the rows appended. `runner(cmd, run_dir,
     log_path, stop_at=, run_minutes=)` -> (status, seconds) runs one train command (default `watch_run`)."""
@@ -258,5 +296,6 @@ def run_screen(plan: ScreenPlan, runner=watch_run) -> list[dict]:
             with open(rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             written.append(row)
+            write_screen_table(rows_path)
             log.info("screen: %s / %s %s in %.0f s: %s", cell, variant, status, seconds, row.get("verdict"))
     return written

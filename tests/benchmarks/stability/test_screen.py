@@ -173,6 +173,10 @@ def test_rows_are_appended_with_verdict_metrics_and_code_and_a_resumed_screen_re
     again = run_screen(plan, runner=_fake_runner(["finished"], calls))
     assert [(r["cell"], r["status"]) for r in again] == [("k8", "finished")]  # the cut run only
     assert len((tmp_path / "screen.jsonl").read_text().splitlines()) == 3
+    table = (tmp_path / "screen.md").read_text().splitlines()
+    assert table[-2].startswith("| baseline | grpo | 1234 | early_stop | 12/12 | collapsed@9 (reward) | 0.300 |")
+    assert table[-1].startswith("| k8 | grpo | 1234 | finished |")
+    assert "| 10.0 / 30.0 |" not in table[-1] and "| - / 30.0 |" in table[-1]  # no any-layer key; max layer 0.3
 
 
 # ---- the R3 paper's metrics ------------------------------------------------------------------------------
