@@ -169,6 +169,12 @@ def summarise_run(run_dir: Path) -> dict:
     layers = sorted({int(k[len(_ROUTER_FLIPS_LAYER):]) for r in rows for k in r if k.startswith(_ROUTER_FLIPS_LAYER)})
     out["router_flips_per_layer"] = {layer: _mean(rows, f"{_ROUTER_FLIPS_LAYER}{layer}") for layer in layers}
     out["mismatch_kl_max"] = max((r["mismatch_kl"] for r in rows if r.get("mismatch_kl") is not None), default=math.nan)
+    if _run_config(run_dir).get("rollout", {}).get("old_logprobs") == "engine":
+        # pi_old IS the engine's then: the correction compares it with itself (0). The mismatch shows in the first
+        # minibatch's ratio against it instead (before any update): `mismatch_approx_kl`, the loss's approx_kl
+        # estimator (k3 per token; k1 for GSPO's per-sequence sums); F(2) is not measured.
+        out.update(mismatch_kl=math.nan, mismatch_kl_max=math.nan, frac_ratio_above_2=math.nan)
+    out["engine_ratio_kl"] = _mean(rows, "mismatch_approx_kl")
     full_lr = [r for r in rows if int(r["step"]) >= first_full_lr_step(run_dir)]
     for name in ("expert_drift", "tokens_changed", "drift_rollout", "tokens_changed_rollout"):
         # the drift of a warm-up update measures the warm-up
@@ -176,13 +182,17 @@ def summarise_run(run_dir: Path) -> dict:
     return out
 
 
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
 def first_full_lr_step(run_dir: Path) -> int:
     """First RL step whose first optimizer step runs at the peak learning rate (after linear warm-up), from the
     run's config.yaml: step s starts with optimizer step minibatches * (s - 1)."""
-    path = run_dir / "config.yaml"
-    if not path.is_file():
+    cfg = _run_config(run_dir)
+    if not cfg:
         return 1
-    cfg = yaml.safe_load(path.read_text())
     warmup, minibatches = int(cfg["optim"]["warmup_steps"]), int(cfg["trainer"]["minibatches"])
     return 1 + -(-warmup // minibatches)
 

@@ -231,12 +231,15 @@ def write_screen_table(rows_path: Path) -> Path:
         "the collapse rule of report.md; `early_stop`: stopped once the collapse was certain; `cut`: stopped by "
         "the deadline, verdict of the steps run. KL: k3 train / inference KL (mean / max over steps); F(2): share "
         "of response tokens with pi_train / pi_rollout > 2; router flips: share of response tokens the engine "
-        "routes to another top-k set than the trainer in >= 1 layer, and the largest per-layer share.",
+        "routes to another top-k set than the trainer in >= 1 layer, and the largest per-layer share. With pi_old "
+        "from the engine (rollout.old_logprobs=engine) KL and F(2) are not measured ('-': the correction would "
+        "compare the engine with itself); engine-ratio KL is then the mismatch: the loss's approx_kl of the first "
+        "minibatch against the engine's log-probs (k3 for GRPO, k1 for GSPO's sequence sums).",
         "",
         "| cell | variant | seed | status | steps | verdict | best reward | final reward | held-out before -> after "
-        "| KL mean / max | F(2) | router flips >= 1 layer / max layer (%) | drift / step (%) | clip tok low / high "
+        "| KL mean / max | engine-ratio KL | F(2) | router flips >= 1 layer / max layer (%) | drift / step (%) | clip tok low / high "
         "| s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows.values():
         layers = [v for v in (r.get("router_flips_per_layer") or {}).values() if v is not None]
@@ -245,7 +248,7 @@ def write_screen_table(rows_path: Path) -> Path:
             f"| {r.get('verdict', '-')} | {_fmt(r.get('best_reward'), '.3f')} | {_fmt(r.get('final_reward'), '.3f')} "
             f"| {_fmt(r.get('eval_before'), '.3f')} -> {_fmt(r.get('eval_after'), '.3f')} "
             f"| {_fmt(r.get('mismatch_kl'), '.1e')} / {_fmt(r.get('mismatch_kl_max'), '.1e')} "
-            f"| {_fmt(r.get('frac_ratio_above_2'), '.1e')} "
+            f"| {_fmt(r.get('engine_ratio_kl'), '.1e')} | {_fmt(r.get('frac_ratio_above_2'), '.1e')} "
             f"| {_fmt(r.get('router_flips_any_layer'), '.1f', 100)} / {_fmt(max(layers, default=None), '.1f', 100)} "
             f"| {_fmt(r.get('expert_drift'), '.2f', 100)} "
             f"| {_fmt(r.get('clip_low_tok'), '.1e')} / {_fmt(r.get('clip_high_tok'), '.1e')} | {r['seconds']:.0f} |"
