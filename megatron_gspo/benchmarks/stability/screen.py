@@ -207,6 +207,7 @@ def _row(plan: ScreenPlan, cell: str, variant: str, status: str, seconds: float,
         "code": code,
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         "run_command": [Path(cmd[0]).name, *cmd[1:]],
+        "run_dir": str(run_dir),
         "time": _now().isoformat(timespec="seconds"),
     }
     if (run_dir / "metrics.jsonl").is_file():
@@ -283,7 +284,8 @@ def run_screen(plan: ScreenPlan, runner=watch_run) -> list[dict]:
             own = cell_overrides(cell) if sft_name != "preset" else []
             sft_cfg = load_run_config(plan.config, [*plan.overrides, *own])
             sft_dir = shared_sft(sft_cfg, out / "sft" / sft_name) if sft_cfg.model.load is None else None
-            run_dir = out / "runs" / cell / variant / f"seed{plan.seed}"
+            # The digest in the name: a screen of other settings (--steps) never replaces this one's run.
+            run_dir = out / "runs" / cell / variant / f"seed{plan.seed}_{digest}"
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # a cut or failed run starts again from scratch
             run_dir.mkdir(parents=True)
@@ -293,7 +295,11 @@ def run_screen(plan: ScreenPlan, runner=watch_run) -> list[dict]:
             cmd.append(f"trainer.run_dir={run_dir}")
             log.info("screen: %s / %s starting: %s", cell, variant, " ".join(cmd[3:]))
             status, seconds = runner(
-                cmd, run_dir, run_dir.parent / f"seed{plan.seed}.log", stop_at=plan.stop_at, run_minutes=plan.run_minutes
+                cmd,
+                run_dir,
+                run_dir.with_name(run_dir.name + ".log"),
+                stop_at=plan.stop_at,
+                run_minutes=plan.run_minutes,
             )
             row = _row(plan, cell, variant, status, seconds, digest, cmd, run_dir, code)
             with open(rows_path, "a") as f:

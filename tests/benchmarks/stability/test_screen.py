@@ -168,6 +168,7 @@ def test_rows_are_appended_with_verdict_metrics_and_code_and_a_resumed_screen_re
     assert row["router_flips_per_layer"] == {"0": pytest.approx(0.1), "1": pytest.approx(0.3)}
     assert "commit" in row["code"] and row["command"] and "loss.algorithm=grpo" in row["run_command"]
     assert "trainer.minibatches=8" in calls[1] and "trainer.steps=12" in calls[1]
+    assert row["run_dir"].endswith(f"baseline/grpo/seed1234_{row['config_digest']}")
     assert last_rows(tmp_path / "screen.jsonl").keys() == {("baseline", "grpo", 1234), ("k8", "grpo", 1234)}
     calls.clear()
     again = run_screen(plan, runner=_fake_runner(["finished"], calls))
