@@ -1,4 +1,4 @@
-"""`megatron-gspo` command line: train | sft | eval | demo | stability | convert | plan | plot.
+"""`megatron-gspo` command line: train | sft | eval | demo | stability | stability-screen | convert | plan | plot.
 
 Exit codes: 0 done; 1 the run failed (one line says why: failing rewards, a dead policy, a full disk, a collective
 that timed out); 2 bad input (a config key, a file, a checkpoint); 75 stopped by SIGTERM / SIGUSR1 after writing a
@@ -138,9 +138,14 @@ def cmd_stability(args) -> int:
     from megatron_gspo.training.runtime import configure_logging
 
     configure_logging()
+    cell = []
+    if args.cell:
+        from megatron_gspo.benchmarks.stability.drivers import cell_overrides
+
+        cell = cell_overrides(args.cell)
     result = run_stability(
         args.config or str(STABILITY_CONFIG),
-        args.overrides,
+        [*cell, *args.overrides],
         args.out,
         [v.strip() for v in args.variants.split(",") if v.strip()],
         seeds=args.seeds,
@@ -148,6 +153,28 @@ def cmd_stability(args) -> int:
     )
     if result.report.is_file() and int(os.environ.get("RANK", "0")) == 0:
         print(result.report.read_text())
+    return 0
+
+
+def cmd_stability_screen(args) -> int:
+    from megatron_gspo.benchmarks.stability.screen import ScreenPlan, parse_stop_at, run_screen
+    from megatron_gspo.training.runtime import configure_logging
+
+    configure_logging()
+    plan = ScreenPlan(
+        config=args.config or str(STABILITY_CONFIG),
+        overrides=list(args.overrides),
+        cells=[c.strip() for c in args.cells.split(",") if c.strip()],
+        variants=[v.strip() for v in args.variants.split(",") if v.strip()],
+        seed=args.seed,
+        steps=args.steps,
+        out=args.out,
+        rows=args.rows,
+        stop_at=parse_stop_at(args.stop_at),
+        run_minutes=args.run_minutes,
+    )
+    for row in run_screen(plan):
+        print(json.dumps({k: row.get(k) for k in ("cell", "variant", "status", "verdict", "steps", "seconds")}))
     return 0
 
 
@@ -205,7 +232,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed count N (trainer.seed .. trainer.seed + N - 1) or a comma list of seeds")
     p.add_argument("--budget-minutes", type=float, default=None,
                    help="start no run that would end past this many minutes (estimate: the longest run so far)")
+    p.add_argument("--cell", default=None,
+                   help="collapse drivers applied before the overrides (benchmarks/stability/drivers.py), e.g. "
+                        "engine_bf16+k8")
     p.set_defaults(func=cmd_stability)
+    from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS
+
+    p = sub.add_parser("stability-screen", help="screening pass of the collapse-driver map (one seed, short runs)")
+    _config_args(p)
+    p.add_argument("--cells", default=",".join(SCREEN_CELLS),
+                   help="comma list of cells: drivers of benchmarks/stability/drivers.py joined by '+'")
+    p.add_argument("--variants", default="grpo,gspo", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--seed", type=int, default=1234, help="trainer.seed of every run")
+    p.add_argument("--steps", type=int, default=30, help="RL steps per run")
+    p.add_argument("--out", default="runs/stability_screen", help="run directories and SFT models")
+    p.add_argument("--rows", default="results/stability_moe/screen.jsonl", help="rows appended here (resumable)")
+    p.add_argument("--stop-at", default=None, help="HH:MM UTC (or ISO time): cut the running run, start no other")
+    p.add_argument("--run-minutes", type=float, default=60.0, help="cut a run still going after this long")
+    p.set_defaults(func=cmd_stability_screen)
     for name, func, text in (
         ("convert", cmd_convert, "HF <-> Megatron checkpoint conversion"),
         ("plan", cmd_plan, "layout / memory planner"),

@@ -25,6 +25,7 @@ from megatron_gspo.models.config import PRESETS, ModelConfig, preset
 from megatron_gspo.moe.config import MoEConfig
 from megatron_gspo.parallel.config import ParallelConfig
 from megatron_gspo.rewards.config import ScoringConfig
+from megatron_gspo.rollout.local.config import LocalEngineConfig
 from megatron_gspo.rollout.multiturn.config import MultiTurnConfig
 from megatron_gspo.rollout.vllm.config import VLLMConfig, engine_logprobs_problem
 from megatron_gspo.training.optim_config import OptimConfig
@@ -90,6 +91,8 @@ class RolloutConfig:
     """Extra generation rounds allowed per step when dynamic sampling tops up."""
     correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance correction between training and rollout engine log-probs."""
+    local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
+    """The in-process engine (engine=local): backend and precision (rollout/local/config.py)."""
     mode: str = "sync"
     """sync (generate, then train: the reference) | one_step_off (batch s+1 is generated while step s trains,
     weight syncs between generate calls) | async (rollouts run up to max_staleness batches ahead; an engine with
@@ -322,6 +325,10 @@ class RunConfig:
             raise ValueError(f"multiturn.advantage={self.multiturn.advantage} gives each token its turn's advantage, "
                              "but loss.algorithm=gspo takes one per trajectory (the sequence ratio, Eq.5); set "
                              "loss.algorithm=gspo_token (Eq.13-14) or multiturn.advantage=trajectory")
+        if r.engine == "local" and r.local.backend == "megatron" and r.local.dtype not in (None, self.model.dtype):
+            raise ValueError(f"rollout.local.dtype={r.local.dtype} differs from model.dtype={self.model.dtype}, but "
+                             "rollout.local.backend=megatron samples with the trainer's own parameters; use "
+                             "rollout.local.backend=hf or auto")
         if r.engine == "vllm" and r.old_logprobs == "engine":
             mode = self.vllm.get("logprobs_mode", VLLMConfig.logprobs_mode)
             problem = engine_logprobs_problem(mode, r.temperature, r.top_p, r.top_k)

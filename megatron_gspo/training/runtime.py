@@ -121,7 +121,14 @@ class Runtime:
             return make_vllm_engine(self)
         from megatron_gspo.rollout.local import LocalEngine
 
-        return LocalEngine(self.models, self.model_config, pad_id=self.tokenizer.pad_id)
+        local = self.cfg.rollout.local
+        return LocalEngine(
+            self.models,
+            self.model_config,
+            pad_id=self.tokenizer.pad_id,
+            backend=local.backend,
+            dtype=local.torch_dtype(),
+        )
 
     def sampling(self, n: int, temperature: float, seed: int) -> SamplingParams:
         r = self.cfg.rollout

@@ -1,6 +1,7 @@
 """The config surface: YAML + dot-list overrides, unknown keys and bad values named."""
 
 import pytest
+import torch
 
 from megatron_gspo.training.config import RunConfig, dump_run_config, load_run_config
 
@@ -44,6 +45,8 @@ def test_roundtrip_through_yaml(tmp_path):
         ("trainer.batch_layout=thd", r"trainer\.batch_layout='thd' must be packed or padded"),
         ("trainer.logprob_path=fast", r"trainer\.logprob_path='fast' must be fused or logits"),
         ("trainer.max_tokens_per_micro_batch=-1", r"trainer\.max_tokens_per_micro_batch=-1 must be >= 0"),
+        ("rollout.local.dtype=fp8", r"rollout\.local\.dtype='fp8' must be null \(the trainer's\) or one of fp32"),
+        ("rollout.local.backend=vllm", r"rollout\.local\.backend='vllm' must be one of auto, megatron, hf"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -161,3 +164,15 @@ def test_vllm_engine_logprobs_that_are_the_trainers_pi_old_are_accepted():
         ["vllm.logprobs_mode=raw_logprobs", "rollout.top_p=0.9", "rollout.top_k=20"],  # T=1: full softmax
     ):
         assert load_run_config(EXAMPLE, [*engine, *overrides]).rollout.old_logprobs == "engine"
+
+
+def test_engine_precision_other_than_the_trainers_needs_the_hf_replica():
+    """rollout.local.dtype != model.dtype: the megatron backend would sample with the trainer's own parameters."""
+    with pytest.raises(ValueError, match=r"rollout\.local\.dtype=bf16 differs from model\.dtype=fp32.*backend=hf"):
+        load_run_config(EXAMPLE, ["rollout.local.dtype=bf16", "rollout.local.backend=megatron"])
+    for extra in (["rollout.local.backend=hf"], ["rollout.local.backend=auto"]):
+        cfg = load_run_config(EXAMPLE, ["rollout.local.dtype=bf16", *extra])
+        assert cfg.rollout.local.torch_dtype() is torch.bfloat16
+    same = load_run_config(EXAMPLE, ["rollout.local.dtype=fp32", "rollout.local.backend=megatron"])
+    assert same.rollout.local.torch_dtype() is torch.float32
+    assert load_run_config(EXAMPLE).rollout.local.torch_dtype() is None

@@ -154,7 +154,7 @@ def _sft_sections(cfg: RunConfig) -> dict:
     )
 
 
-def _shared_sft(base: RunConfig, out: Path) -> Path:
+def shared_sft(base: RunConfig, out: Path) -> Path:
     """The cold-start SFT model every run starts from: trained once, reused while its settings match."""
     from megatron_gspo.training.sft import run_sft
 
@@ -180,7 +180,7 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _code_version() -> dict:
+def code_version() -> dict:
     """The git commit the benchmark ran (and whether the tree had uncommitted changes), when known."""
     root = Path(__file__).resolve().parents[3]
     try:
@@ -250,10 +250,10 @@ def run_stability(
     out.mkdir(parents=True, exist_ok=True)
     start = clock()
     started_at = datetime.datetime.now().isoformat(timespec="seconds")
-    code = _code_version()  # at the start: the code this invocation imports and runs
+    code = code_version()  # at the start: the code this invocation imports and runs
     extra = []
     if base.model.load is None:
-        extra = [f"model.load={_shared_sft(base, out)}"]
+        extra = [f"model.load={shared_sft(base, out)}"]
     runs = plan_runs(variants, seed_list, out, base, extra)
     configs = [load_run_config(config, [*overrides, *r.overrides]) for r in runs]  # all validated up front
     result = BenchmarkResult(report=out / "report.md")

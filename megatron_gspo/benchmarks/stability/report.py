@@ -125,8 +125,15 @@ _MEAN_KEYS = {
     "clip_high_seq": "clip_frac_high_seq",
     "mismatch_kl": "mismatch_kl",
     "routing_mismatch": "routing_mismatch",
+    "frac_ratio_above_2": "mismatch_frac_ratio_above_2",
+    "router_flips_any_layer": "routing_mismatch_tokens_changed",
 }
-"""Run-table columns that are means over RL steps of one metrics.jsonl key."""
+"""Run-table columns that are means over RL steps of one metrics.jsonl key. The R3 paper's metrics
+(arXiv:2510.11370 §3) are mismatch_kl (k3 train / inference KL), frac_ratio_above_2 (F(tau = 2): share of
+response tokens whose pi_train / pi_rollout exceeds 2), router_flips_any_layer (share of response tokens routed
+to another top-k set by the engine than by the trainer in >= 1 layer; the paper: 94%) and, per layer,
+`router_flips_per_layer` (share of a layer's routers, one per token, whose top-k set differs; the paper: ~10%)."""
+_ROUTER_FLIPS_LAYER = "routing_mismatch_tokens_changed_layer"
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -159,6 +166,15 @@ def summarise_run(run_dir: Path) -> dict:
     }
     out["eval_gain"] = out["eval_after"] - out["eval_before"]
     out.update({name: _mean(rows, key) for name, key in _MEAN_KEYS.items()})
+    layers = sorted({int(k[len(_ROUTER_FLIPS_LAYER):]) for r in rows for k in r if k.startswith(_ROUTER_FLIPS_LAYER)})
+    out["router_flips_per_layer"] = {layer: _mean(rows, f"{_ROUTER_FLIPS_LAYER}{layer}") for layer in layers}
+    out["mismatch_kl_max"] = max((r["mismatch_kl"] for r in rows if r.get("mismatch_kl") is not None), default=math.nan)
+    if _run_config(run_dir).get("rollout", {}).get("old_logprobs") == "engine":
+        # pi_old IS the engine's then: the correction compares it with itself (0). The mismatch shows in the first
+        # minibatch's ratio against it instead (before any update): `mismatch_approx_kl`, the loss's approx_kl
+        # estimator (k3 per token; k1 for GSPO's per-sequence sums); F(2) is not measured.
+        out.update(mismatch_kl=math.nan, mismatch_kl_max=math.nan, frac_ratio_above_2=math.nan)
+    out["engine_ratio_kl"] = _mean(rows, "mismatch_approx_kl")
     full_lr = [r for r in rows if int(r["step"]) >= first_full_lr_step(run_dir)]
     for name in ("expert_drift", "tokens_changed", "drift_rollout", "tokens_changed_rollout"):
         # the drift of a warm-up update measures the warm-up
@@ -166,13 +182,17 @@ def summarise_run(run_dir: Path) -> dict:
     return out
 
 
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
 def first_full_lr_step(run_dir: Path) -> int:
     """First RL step whose first optimizer step runs at the peak learning rate (after linear warm-up), from the
     run's config.yaml: step s starts with optimizer step minibatches * (s - 1)."""
-    path = run_dir / "config.yaml"
-    if not path.is_file():
+    cfg = _run_config(run_dir)
+    if not cfg:
         return 1
-    cfg = yaml.safe_load(path.read_text())
     warmup, minibatches = int(cfg["optim"]["warmup_steps"]), int(cfg["trainer"]["minibatches"])
     return 1 + -(-warmup // minibatches)
 
@@ -193,6 +213,8 @@ AGGREGATED = (
     "clip_high_seq",
     "mismatch_kl",
     "routing_mismatch",
+    "frac_ratio_above_2",
+    "router_flips_any_layer",
     "wall_seconds",
 )
 
@@ -238,8 +260,9 @@ def write_report(
         "",
         "| variant | seeds | collapsed | final reward | best reward | held-out before | held-out after | gain (pts) "
         "| drift / step (%) | tokens changed / step (%) | drift / rollout batch (%) | tokens changed / rollout "
-        "batch (%) | clip low tok | clip high tok | clip low seq | clip high seq | train/infer KL | s per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "batch (%) | clip low tok | clip high tok | clip low seq | clip high seq | train/infer KL | F(2) | router flips, "
+        ">= 1 layer (%) | s per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, a in agg.items():
         lines.append(
@@ -249,6 +272,7 @@ def write_report(
             f"| {_pm(a['tokens_changed'], 1, scale=100)} | {_pm(a['drift_rollout'], 2, scale=100)} "
             f"| {_pm(a['tokens_changed_rollout'], 1, scale=100)} | {_sci(a['clip_low_tok'])} | {_sci(a['clip_high_tok'])} "
             f"| {_sci(a['clip_low_seq'])} | {_sci(a['clip_high_seq'])} | {_sci(a['mismatch_kl'])} "
+            f"| {_sci(a['frac_ratio_above_2'])} | {_pm(a['router_flips_any_layer'], 1, scale=100)} "
             f"| {_pm(a['wall_seconds'], 0)} |"
         )
     lines += [
@@ -283,7 +307,11 @@ def write_report(
         "responses) where the clip is active: ratio < 1 - eps_low with A < 0 (low) or ratio > 1 + eps_high with "
         "A > 0 (high); means over steps and minibatches.",
         "- Train/infer KL: k3 estimate of KL(pi_rollout || pi_train) on the same tokens (`mismatch_kl`), between the "
-        "rollout engine's log-probs and the trainer's recomputed ones.",
+        "rollout engine's log-probs and the trainer's recomputed ones. F(2) and router flips are the R3 paper's "
+        "(arXiv:2510.11370 §3): the share of response tokens whose pi_train / pi_rollout exceeds 2, and the share "
+        "of response tokens the engine routes to another top-k set than the trainer in at least one layer (per "
+        "layer in report.json: `router_flips_per_layer`). Measured with replay off on the steps that measure drift; "
+        "an engine that is the trainer itself (rollout.local.dtype unset) shows none.",
         "- Final reward: mean of the last 5 steps; best reward: best 5-step moving average; held-out: avg@n accuracy "
         "before RL and at the last evaluation.",
         "",
@@ -297,7 +325,7 @@ def write_report(
     report.write_text("\n".join(lines) + "\n")
     (out_dir / "report.json").write_text(
         json.dumps(
-            _json_safe(
+            json_safe(
                 {
                     v: {
                         "aggregate": agg[v],
@@ -319,12 +347,12 @@ def write_report(
     return report
 
 
-def _json_safe(value):
+def json_safe(value):
     """NaN / inf -> None (strict JSON), recursively through dicts, lists and tuples."""
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

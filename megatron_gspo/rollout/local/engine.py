@@ -12,7 +12,13 @@ Backends (`backend=`):
   (a collective: every rank calls it, and the constructor). Rank 0 of each model-parallel group generates for
   the prompts *it* was given and broadcasts the rollouts to its group, so every rank returns the same list
   (the other ranks of the group wait). A CPU / debugging path: the replica holds the full, unsharded model.
-- "auto": "megatron" when the model is not split, else "hf".
+- "auto": "megatron" when the model is not split and `dtype` is the trainer's, else "hf".
+
+`dtype` (rollout.local.dtype): the precision the engine samples in. Unset, it is the trainer's, and the "megatron"
+backend samples with the trainer's own parameters: the engine IS the trainer, so the train / inference mismatch
+that production pairs (vLLM or SGLang in bf16, Megatron with fp32 masters) show is absent (a k3 KL of ~1e-13). Set
+to another precision, the "hf" replica holds the trainer's weights rounded to it and samples with its own kernels:
+a second implementation in a second precision, the mismatch the R3 paper measures (arXiv:2510.11370 §3).
 
 Prompts of different lengths go to different batches (bucketed by length; see rollout/local/decode.py), so no
 position is ever padding. Sampling randomness comes from a private torch.Generator: with `sampling.seed` set, a
@@ -37,6 +43,7 @@ from megatron_gspo.rollout.types import Rollout, SamplingParams, compact_expert_
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "megatron", "hf")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _unwrap(chunk):
@@ -89,6 +96,7 @@ class LocalEngine:
         backend: str = "auto",
         seed: int = 0,
         record_routing: bool = True,
+        dtype: torch.dtype | None = None,
     ):
         """
         Args:
@@ -101,9 +109,10 @@ class LocalEngine:
             backend: "auto", "megatron" or "hf" (module docstring).
             seed: base of the sampling streams of calls whose `SamplingParams.seed` is None.
             record_routing: record each fed token's top-k experts into `Rollout.routed_experts`.
+            dtype: precision of the engine (module docstring); None = the trainer's parameters' dtype.
         """
         if backend not in BACKENDS:
-            raise ValueError(f"rollout.backend={backend!r} must be one of {BACKENDS}")
+            raise ValueError(f"rollout.local.backend={backend!r} must be one of {BACKENDS}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size={max_batch_size!r} must be a positive integer")
         self.config = model_config
@@ -122,13 +131,20 @@ class LocalEngine:
         split = any(v > 1 for v in layout.values()) or len(self._chunks) > 1
         if backend == "megatron" and split:
             raise ValueError(
-                "rollout.backend='megatron' needs an unsplit model on this rank (tp=pp=ep=cp=1, one chunk), got "
+                "rollout.local.backend=megatron needs an unsplit model on this rank (tp=pp=ep=cp=1, one chunk), got "
                 + ", ".join(f"{k}={v}" for k, v in layout.items())
-                + "; use rollout.backend='hf' or 'auto'"
+                + "; use rollout.local.backend=hf or auto"
             )
-        self.backend = backend if backend != "auto" else ("hf" if split else "megatron")
         param = next(self._chunks[0].parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, (param.dtype if dtype is None else dtype)
+        own = self.dtype == param.dtype
+        if backend == "megatron" and not own:
+            raise ValueError(
+                f"rollout.local.dtype={_DTYPE_NAMES.get(self.dtype, self.dtype)} differs from the trainer's "
+                f"{_DTYPE_NAMES.get(param.dtype, param.dtype)}, but rollout.local.backend=megatron samples with the "
+                "trainer's own parameters; use rollout.local.backend=hf or auto"
+            )
+        self.backend = backend if backend != "auto" else ("hf" if split or not own else "megatron")
         if self.backend == "hf":
             self._group, self._leader = self._model_parallel_group()
             self._replica = HFReplica(

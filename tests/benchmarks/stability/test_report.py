@@ -255,3 +255,22 @@ def test_budget_stops_starting_runs_that_would_not_fit_and_reuse_costs_nothing(t
         run_stability(
             "examples/stability_moe.yaml", overrides, str(tmp_path / "x"), ["gspo"], budget_minutes=0
         )
+
+
+def test_with_pi_old_from_the_engine_the_mismatch_is_the_first_minibatch_ratio(tmp_path):
+    """rollout.old_logprobs=engine: the correction compares the engine's log-probs with themselves (KL 0, F(2) 0),
+    which would read as "no mismatch"; the summary leaves them unmeasured and reports the first minibatch's KL."""
+    run = tmp_path / "run"
+    _fake_run(run, [0.3] * 6, [0.01] * 6, [(0, 0.2), (6, 0.3)])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps({**r, "mismatch_kl": 0.0, "mismatch_frac_ratio_above_2": 0.0,
+                                "mismatch_approx_kl": 1e-4 * (i + 1)}) + "\n")
+    recompute = summarise_run(run)
+    assert recompute["mismatch_kl"] == 0.0 and recompute["engine_ratio_kl"] == pytest.approx(3.5e-4)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "rollout": {"old_logprobs": "engine"}}))
+    engine = summarise_run(run)
+    assert math.isnan(engine["mismatch_kl"]) and math.isnan(engine["frac_ratio_above_2"])
+    assert engine["engine_ratio_kl"] == pytest.approx(3.5e-4)

@@ -163,6 +163,24 @@ def _single_process():
         out["updated_hf"] = _as_data(hf.generate(prompts, greedy))
         hf.close()
         hf.close()
+
+        # (g) the engine in bf16 beside the fp32 trainer (rollout.local.dtype): an hf replica of rounded weights
+        bf16 = LocalEngine(chunks, cfg, max_batch_size=64, pad_id=0, dtype=torch.bfloat16)
+        out["bf16_backend"] = bf16.backend
+        gate, router = bf16._replica.model.model.layers[0].mlp.gate.weight, model.decoder.layers[0].mlp.router.weight
+        out["bf16_replica_dtype"] = str(gate.dtype)
+        out["bf16_weights_rounded"] = torch.equal(gate, router.detach().to(torch.bfloat16))
+        out["trainer_dtype_kept"] = str(router.dtype)
+        bf16_sampled = bf16.generate(prompts, sampling)
+        out["bf16_sampled"] = _as_data(bf16_sampled)
+        with torch.no_grad():
+            out["bf16_forced_logprobs"] = [_teacher_forced(model, r, cfg.num_experts_per_tok)[0] for r in bf16_sampled]
+        bf16.close()
+        try:
+            LocalEngine(chunks, cfg, backend="megatron", dtype=torch.bfloat16)
+            out["megatron_bf16"] = "accepted"
+        except ValueError as err:
+            out["megatron_bf16"] = str(err)
         engine.close()
         try:
             engine.generate(prompts, greedy)
@@ -309,6 +327,19 @@ def test_update_weights_reaches_both_backends(single):
     assert after != before, "the weight change did not change the megatron backend's output"
     _assert_same(single["updated_hf"], single["updated_megatron"])
     assert all(r["weight_version"] == 3 for r in single["updated_hf"] + single["updated_megatron"])
+
+
+def test_bf16_engine_samples_from_rounded_weights_beside_the_fp32_trainer(single):
+    """rollout.local.dtype=bf16: the replica holds the trainer's weights rounded to bf16 (the trainer's stay fp32),
+    and its log-probs of its own samples differ from the fp32 trainer's teacher-forced ones by bf16 rounding:
+    nonzero (the engine is no longer the trainer) and far below a token's log-prob."""
+    assert single["bf16_backend"] == "hf"
+    assert single["bf16_replica_dtype"] == "torch.bfloat16" and single["trainer_dtype_kept"] == "torch.float32"
+    assert single["bf16_weights_rounded"]
+    diffs = torch.cat([r["logprobs"] - f for r, f in zip(single["bf16_sampled"], single["bf16_forced_logprobs"])])
+    assert diffs.abs().max() > 1e-5, "the bf16 engine's log-probs equal the fp32 trainer's"
+    assert diffs.abs().max() < 0.2
+    assert "rollout.local.backend=hf" in single["megatron_bf16"]
 
 
 def test_tensor_parallel_hf_backend_matches_single_process_megatron(tp2, single):
