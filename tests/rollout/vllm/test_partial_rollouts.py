@@ -122,40 +122,63 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _pause_mid_generation(url: str, producer: threading.Thread, before: float, samples: int, tokens: int):
+    """Polls the server until `samples` requests run and at least `tokens` each were sampled, then pauses it with
+    mode=keep (the requests stay, frozen): the weight update the caller makes next then lands mid-generation however
+    long its start takes (under load, writing and announcing the checkpoint outlasted the samples' remaining
+    tokens); the engine's own pause is a no-op on a paused server (vLLM 0.32 core.py `pause_scheduler` sets the
+    state) and its /resume continues the requests. Returns the tokens sampled, or None when the generation ended
+    before the poll saw it (on a quiet machine the samples can finish between two polls): nothing was updated, the
+    caller generates again."""
+    deadline = time.monotonic() + 120
+    while True:
+        m = _metrics(url)
+        sampled = m.get("vllm:generation_tokens_total", 0.0) - before
+        # >=: requests of another caller may run beside these (the server is the module's)
+        if m.get("vllm:num_requests_running", 0) >= samples and sampled >= samples * tokens:
+            _post(url, "/pause?mode=keep&clear_cache=false")
+            return _metrics(url).get("vllm:generation_tokens_total", 0.0) - before
+        if not producer.is_alive():
+            producer.join()
+            return None
+        assert time.monotonic() < deadline, f"no generation to update under: {m}"
+        time.sleep(0.005)
+
+
 def _generate_across_an_update(engine, weights: Path | None, *, min_tokens: int = MIN_TOKENS,
                                ready: Callable[[], None] = lambda: None, version: int | None = None):
     """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`; None: a
     follower's export, which yields nothing) from this thread once every sample is running and at least
-    `min_tokens` tokens each were sampled, and `ready()` returned. Returns the rollouts and the server's token
-    count at the update."""
+    `min_tokens` tokens each were sampled (the server paused there: `_pause_mid_generation`), and `ready()`
+    returned. Returns the rollouts and the server's token count at the update."""
     from megatron_gspo.rollout.types import SamplingParams
 
     url = engine.server_urls[0]
     # Read before the generation starts: the update must reach the server while the samples still run (reading the
     # checkpoint at the update took long enough on a quiet CI machine for every sample to finish first).
     tensors = list(_checkpoint_tensors(weights)) if weights is not None else []
-    before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
-    result: dict = {}
+    for _ in range(5):
+        before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
+        result: dict = {}
 
-    def produce() -> None:
-        try:
-            prompts = [[3, 4, 5, 6 + i] for i in range(SAMPLES)]
-            result["rollouts"] = engine.generate(
-                prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=5)
-            )
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            result["error"] = e
+        def produce() -> None:
+            try:
+                prompts = [[3, 4, 5, 6 + i] for i in range(SAMPLES)]
+                result["rollouts"] = engine.generate(
+                    prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=5)
+                )
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+                result["error"] = e
 
-    producer = threading.Thread(target=produce, name="producer")
-    producer.start()
-    deadline = time.monotonic() + 120
-    while True:
-        m = _metrics(url)
-        sampled = m.get("vllm:generation_tokens_total", 0.0) - before
-        if m.get("vllm:num_requests_running", 0) == SAMPLES and sampled >= SAMPLES * min_tokens:
+        producer = threading.Thread(target=produce, name="producer")
+        producer.start()
+        sampled = _pause_mid_generation(url, producer, before, SAMPLES, min_tokens)
+        if "error" in result:
+            raise result["error"]
+        if sampled is not None:
             break
-        assert producer.is_alive() and time.monotonic() < deadline, f"no generation to update under: {m}"
-        time.sleep(0.02)
+    else:
+        raise AssertionError("five generations ended before the poll saw them running")
     assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
     engine._exporter = lambda chunks: iter(tensors)
     ready()
@@ -388,25 +411,25 @@ def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_tur
             if self.calls == 1:
                 sync(dirs[0])
                 return server.generate(prompts, dataclasses.replace(sampling, max_new_tokens=4))
-            before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
-            result: dict = {}
+            for _ in range(5):  # again when turn 2 ended before the poll saw it (nothing was synced then)
+                before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
+                result: dict = {}
 
-            def produce() -> None:
-                try:
-                    result["outs"] = server.generate(prompts, sampling)
-                except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-                    result["error"] = e
+                def produce() -> None:
+                    try:
+                        result["outs"] = server.generate(prompts, sampling)
+                    except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+                        result["error"] = e
 
-            producer = threading.Thread(target=produce, name="turn-2")
-            producer.start()
-            deadline = time.monotonic() + 120
-            while True:
-                m = _metrics(url)
-                sampled = m.get("vllm:generation_tokens_total", 0.0) - before
-                if m.get("vllm:num_requests_running", 0) == samples and sampled >= samples * turn2_before_sync:
+                producer = threading.Thread(target=produce, name="turn-2")
+                producer.start()
+                paused = _pause_mid_generation(url, producer, before, samples, turn2_before_sync)
+                if "error" in result:
+                    raise result["error"]
+                if paused is not None:
                     break
-                assert producer.is_alive() and time.monotonic() < deadline, f"no turn 2 to update under: {m}"
-                time.sleep(0.02)
+            else:
+                raise AssertionError("five second turns ended before the poll saw them running")
             assert producer.is_alive(), "turn 2 ended before the sync"
             sync(dirs[1])
             producer.join(timeout=300)
