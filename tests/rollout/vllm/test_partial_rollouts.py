@@ -128,8 +128,7 @@ def _pause_mid_generation(url: str, producer: threading.Thread, before: float, s
     long its start takes (under load, writing and announcing the checkpoint outlasted the samples' remaining
     tokens); the engine's own pause is a no-op on a paused server (vLLM 0.32 core.py `pause_scheduler` sets the
     state) and its /resume continues the requests. Returns the tokens sampled, or None when the generation ended
-    before the poll saw it (on a quiet machine the samples can finish between two polls): nothing was updated, the
-    caller generates again."""
+    before the poll saw it (on a quiet machine the samples can finish between two polls)."""
     deadline = time.monotonic() + 120
     while True:
         m = _metrics(url)
@@ -145,49 +144,63 @@ def _pause_mid_generation(url: str, producer: threading.Thread, before: float, s
         time.sleep(0.005)
 
 
-def _generate_across_an_update(engine, weights: Path | None, *, min_tokens: int = MIN_TOKENS,
-                               ready: Callable[[], None] = lambda: None, version: int | None = None):
-    """`generate` in a producer thread; `update_weights` to the next version (the checkpoint `weights`; None: a
-    follower's export, which yields nothing) from this thread once every sample is running and at least
-    `min_tokens` tokens each were sampled (the server paused there: `_pause_mid_generation`), and `ready()`
-    returned. Returns the rollouts and the server's token count at the update."""
-    from megatron_gspo.rollout.types import SamplingParams
-
-    url = engine.server_urls[0]
-    # Read before the generation starts: the update must reach the server while the samples still run (reading the
-    # checkpoint at the update took long enough on a quiet CI machine for every sample to finish first).
-    tensors = list(_checkpoint_tensors(weights)) if weights is not None else []
+def _update_mid_generation(url: str, generate: Callable[[], list], samples: int, tokens: int,
+                           update: Callable[[], None]) -> tuple[list, float]:
+    """`generate()` in a producer thread; `update()` from this thread once `samples` requests run and `tokens`
+    each were sampled (the server paused there: `_pause_mid_generation`). A generation that ended before the poll
+    saw it is made again (nothing was updated; five tries). Returns generate's result and the tokens sampled
+    before the update."""
     for _ in range(5):
         before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
         result: dict = {}
 
         def produce() -> None:
             try:
-                prompts = [[3, 4, 5, 6 + i] for i in range(SAMPLES)]
-                result["rollouts"] = engine.generate(
-                    prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=5)
-                )
+                result["out"] = generate()
             except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
                 result["error"] = e
 
         producer = threading.Thread(target=produce, name="producer")
         producer.start()
-        sampled = _pause_mid_generation(url, producer, before, SAMPLES, min_tokens)
+        sampled = _pause_mid_generation(url, producer, before, samples, tokens)
         if "error" in result:
             raise result["error"]
         if sampled is not None:
             break
     else:
         raise AssertionError("five generations ended before the poll saw them running")
-    assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
-    engine._exporter = lambda chunks: iter(tensors)
-    ready()
-    engine.update_weights([], version=engine.weight_version + 1 if version is None else version)
+    assert producer.is_alive(), "the generation ended before the update"
+    update()
     producer.join(timeout=300)
     assert not producer.is_alive()
     if "error" in result:
         raise result["error"]
-    return result["rollouts"], sampled
+    return result["out"], sampled
+
+
+def _generate_across_an_update(engine, weights: Path | None, *, min_tokens: int = MIN_TOKENS,
+                               ready: Callable[[], None] = lambda: None, version: int | None = None):
+    """`generate` of SAMPLES prompts; `update_weights` to the next version (the checkpoint `weights`; None: a
+    follower's export, which yields nothing) once every sample is running and at least `min_tokens` tokens each
+    were sampled, and `ready()` returned. Returns the rollouts and the server's token count at the update."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    # Read before the generation starts: the update must reach the server while the samples still run (reading the
+    # checkpoint at the update took long enough on a quiet CI machine for every sample to finish first).
+    tensors = list(_checkpoint_tensors(weights)) if weights is not None else []
+    prompts = [[3, 4, 5, 6 + i] for i in range(SAMPLES)]
+    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=5)
+
+    def update() -> None:
+        engine._exporter = lambda chunks: iter(tensors)
+        ready()
+        engine.update_weights([], version=engine.weight_version + 1 if version is None else version)
+
+    url = engine.server_urls[0]
+    rollouts, sampled = _update_mid_generation(url, lambda: engine.generate(prompts, sampling), SAMPLES, min_tokens,
+                                               update)
+    assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
+    return rollouts, sampled
 
 
 def _reference(directory: Path, rollout, k: int):
@@ -411,32 +424,9 @@ def test_multi_turn_routes_stitched_per_turn_across_a_weight_update_inside_a_tur
             if self.calls == 1:
                 sync(dirs[0])
                 return server.generate(prompts, dataclasses.replace(sampling, max_new_tokens=4))
-            for _ in range(5):  # again when turn 2 ended before the poll saw it (nothing was synced then)
-                before = _metrics(url).get("vllm:generation_tokens_total", 0.0)
-                result: dict = {}
-
-                def produce() -> None:
-                    try:
-                        result["outs"] = server.generate(prompts, sampling)
-                    except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-                        result["error"] = e
-
-                producer = threading.Thread(target=produce, name="turn-2")
-                producer.start()
-                paused = _pause_mid_generation(url, producer, before, samples, turn2_before_sync)
-                if "error" in result:
-                    raise result["error"]
-                if paused is not None:
-                    break
-            else:
-                raise AssertionError("five second turns ended before the poll saw them running")
-            assert producer.is_alive(), "turn 2 ended before the sync"
-            sync(dirs[1])
-            producer.join(timeout=300)
-            assert not producer.is_alive()
-            if "error" in result:
-                raise result["error"]
-            return result["outs"]
+            outs, _ = _update_mid_generation(url, lambda: server.generate(prompts, sampling), samples,
+                                             turn2_before_sync, lambda: sync(dirs[1]))
+            return outs
 
     tok = CharTokenizer()
     items = [PromptItem("12+34=", "46"), PromptItem("5+7=", "12")]
