@@ -128,7 +128,7 @@ def _pause_mid_generation(url: str, producer: threading.Thread, before: float, s
     long its start takes (under load, writing and announcing the checkpoint outlasted the samples' remaining
     tokens); the engine's own pause is a no-op on a paused server (vLLM 0.32 core.py `pause_scheduler` sets the
     state) and its /resume continues the requests. Returns the tokens sampled, or None when the generation ended
-    before the poll saw it (on a quiet machine the samples can finish between two polls)."""
+    before the poll saw it or before the pause (on a quiet machine the samples can finish between two polls)."""
     deadline = time.monotonic() + 120
     while True:
         m = _metrics(url)
@@ -136,7 +136,13 @@ def _pause_mid_generation(url: str, producer: threading.Thread, before: float, s
         # >=: requests of another caller may run beside these (the server is the module's)
         if m.get("vllm:num_requests_running", 0) >= samples and sampled >= samples * tokens:
             _post(url, "/pause?mode=keep&clear_cache=false")
-            return _metrics(url).get("vllm:generation_tokens_total", 0.0) - before
+            m = _metrics(url)
+            if m.get("vllm:num_requests_running", 0) >= samples:  # all still there, frozen
+                return m.get("vllm:generation_tokens_total", 0.0) - before
+            # some ended between the poll and the pause (a quiet machine samples ~200 tokens in one poll): again
+            _post(url, "/resume")
+            producer.join(timeout=300)
+            return None
         if not producer.is_alive():
             producer.join()
             return None
@@ -199,7 +205,9 @@ def _generate_across_an_update(engine, weights: Path | None, *, min_tokens: int 
     url = engine.server_urls[0]
     rollouts, sampled = _update_mid_generation(url, lambda: engine.generate(prompts, sampling), SAMPLES, min_tokens,
                                                update)
-    assert sampled < SAMPLES * MAX_NEW_TOKENS / 2, "the samples were nearly done before the update"
+    # Every sample is still running at the update (checked at the pause); how far they got varies with the load
+    # (up to 449 of 896 tokens in CI), so no bound on it beyond that.
+    assert sampled < SAMPLES * MAX_NEW_TOKENS, "the samples were done before the update"
     return rollouts, sampled
 
 
