@@ -62,6 +62,10 @@ class SGLangConfig(ServerConfig):
     """Distributed mode: port of the rendezvous store (0 = the OS picks one when the trainer binds the store)."""
     group_name: str = "weight_update_group"
     """Distributed mode: name of the trainer + servers weight-update process group (always NCCL)."""
+    recover_timeout_s: float = 60.0
+    """Attach mode: how long each server may take to undo what a trainer killed with kill -9 left (its group, its
+    weight-update session, its pause; engine.py `_undo_dead_trainer`) before the run stops, telling to restart the
+    servers: a server that does not answer is stuck in a broadcast from that trainer."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,6 +100,8 @@ class SGLangConfig(ServerConfig):
         if self.context_length is not None:
             check_ints(self, ("context_length",), minimum=2)
         check_port(self, "router_port")
+        if not self.recover_timeout_s > 0:
+            raise ValueError(f"sglang.recover_timeout_s={self.recover_timeout_s} must be > 0")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"sglang.mem_fraction={self.mem_fraction} must be in (0, 1]")
         if self.weight_sync == "disk" and not self.weight_sync_dir:

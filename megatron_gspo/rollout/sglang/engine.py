@@ -26,8 +26,14 @@ from typing import Any
 
 from megatron_gspo.rollout.server import nccl_versions
 from megatron_gspo.rollout.server.buckets import NamedTensor, iter_buckets
+from megatron_gspo.rollout.server.concurrency import gather_or_cancel
 from megatron_gspo.rollout.server.engine import Exporter, ServerEngine
-from megatron_gspo.rollout.server.errors import RETRYABLE_STATUSES, StaleWeightsError
+from megatron_gspo.rollout.server.errors import (
+    RETRYABLE_STATUSES,
+    ServerConnectionError,
+    ServerHTTPError,
+    StaleWeightsError,
+)
 from megatron_gspo.rollout.server.errors import GenerateError as SGLangGenerateError
 from megatron_gspo.rollout.server.errors import ServerError as SGLangError
 from megatron_gspo.rollout.server.factory import make_server_engine
@@ -113,6 +119,8 @@ class SGLangEngine(ServerEngine):
         self._run(self._read_server_info())
 
     def _attach(self) -> None:
+        if self.leader:
+            self._run(gather_or_cancel(*(self._undo_dead_trainer(url) for url in self.config.urls)))
         super()._attach()
         cfg = self.config
         if cfg.router_url:
@@ -121,6 +129,45 @@ class SGLangEngine(ServerEngine):
                 self._run(self._healthy(cfg.router_url, "/health"))
         if self.leader:
             self._run(self._read_server_info())
+
+    async def _undo_dead_trainer(self, url: str) -> None:
+        """Undoes what a trainer killed with kill -9 (no close) left on an attached server, before the health check.
+
+        Read in SGLang 0.5.23's source: the server keeps the group by name (model_runner_components/
+        weight_updater.py:130-139), and a second init of that name fails after the rendezvous (torch's
+        `_new_process_group_helper`: "The specified group name has already been created") with 400; a session
+        left open refuses /begin_weight_update (scheduler_components/weight_updater.py:311-316); a pause left on
+        holds every generation, so /health_generate answers 503 (tokenizer_manager.py:938-939, http_server.py:
+        777-797) until startup_timeout_s. So: destroy our group name (400 "does not exist" when there is none),
+        end the session (400 when none; 404 before 0.5.21), continue. A server that does not answer is stuck in
+        a broadcast from the dead trainer (an update holds the pause lock while its scheduler waits,
+        tokenizer_control_mixin.py:513-516); only NCCL's watchdog ends that (SGLang gives the group torch's
+        30-min default timeout, utils/common.py:2891-2892), so the run stops with one line instead."""
+        cfg = self.config
+        await self._healthy(url, "/model_info")  # the HTTP side only: answers while paused or stuck
+        steps = (
+            ("/destroy_weights_update_group", {"group_name": cfg.group_name}, "does not exist"),
+            ("/end_weight_update", {}, "no weight-update session is open"),
+            ("/continue_generation", {}, None),
+        )
+        for path, payload, none_left in steps:
+            try:
+                await self._client.call(url, path, payload, timeout_s=cfg.recover_timeout_s, retries=0)
+            except ServerConnectionError as e:
+                if not e.timed_out:
+                    raise
+                raise SGLangError(
+                    f"SGLang server {url} did not answer {path} within sglang.recover_timeout_s="
+                    f"{cfg.recover_timeout_s:g} s: it is stuck in a weight update from a trainer that died "
+                    "mid-sync (kill -9); restart the SGLang servers (launch/rollout_servers.sbatch), then resume"
+                ) from None
+            except ServerHTTPError as e:
+                if e.status == 404 or (none_left is not None and e.status == 400 and none_left in e.body):
+                    continue  # nothing of that kind was left (404: a release without sessions)
+                raise
+            else:
+                if path != "/continue_generation":
+                    logger.warning("SGLang server %s: %s undid what a trainer that died left", url, path)
 
     async def _read_server_info(self) -> None:
         """`GET /server_info` of every server: its release picks the protocol; what it cannot serve is refused."""

@@ -68,6 +68,10 @@ def fake_routed_experts(num_tokens: int, num_layers: int, topk: int, num_experts
     return ((t * 3 + l * 5 + k) % num_experts).astype(np.int32)
 
 
+ATTACH = ("/destroy_weights_update_group", "/end_weight_update", "/continue_generation")
+"""What an attaching engine sends each server before its health check (engine.py `_undo_dead_trainer`)."""
+
+
 class FakeSGLang:
     """One fake server. Its attributes are knobs tests set (before or between requests) and records."""
 
@@ -128,6 +132,9 @@ class FakeSGLang:
         """/update_weights_from_* answer 400 {"success": false}."""
         self.drop_fields: set[str] = set()
         """meta_info keys left out of /generate answers (an incompatible server version)."""
+        self.stuck = False
+        """Weight-update and pause endpoints never answer: a stand-in for a server whose scheduler is blocked in a
+        broadcast receive from a trainer that died mid-sync (a real one needs NCCL and a dead GPU peer)."""
         self.vary_per_request = False
         """Mix the request number into the tokens: the same request twice gets different answers (a server that
         is not batch-invariant)."""
@@ -150,6 +157,9 @@ class FakeSGLang:
         self.release_violations: list[str] = []
         """What would have killed a real SGLang scheduler: a release while requests ran, a generation while
         released."""
+        self.groups: set[str] = set()
+        """Names of the weight-update groups the server holds (SGLang keys them by name; a second init of a held
+        name is refused, an unknown name's destroy too)."""
         self._group: Any = None
         self._store: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -166,8 +176,18 @@ class FakeSGLang:
         return tuple(int(x) for x in self.version.split("."))
 
     def paths(self) -> list[str]:
-        """Paths of the calls received, in order (health checks and the start-up /server_info left out)."""
-        return [p for p, _ in self.calls if p not in ("/health_generate", "/health", "/server_info")]
+        """Paths of the calls received, in order; left out: health checks, /server_info, and what an attaching
+        engine sends before its first health check (undoing a dead trainer's state: `attach_paths`)."""
+        health = ("/health_generate", "/health")
+        first = next((i for i, (p, _) in enumerate(self.calls) if p in health), 0)
+        left_out = ("/server_info", "/model_info", *health)
+        return [p for i, (p, _) in enumerate(self.calls) if p not in left_out and (i >= first or p not in ATTACH)]
+
+    def attach_paths(self) -> list[str]:
+        """What was sent before the first health check (an attaching engine's clean-up), /model_info left out."""
+        health = ("/health_generate", "/health")
+        first = next((i for i, (p, _) in enumerate(self.calls) if p in health), len(self.calls))
+        return [p for p, _ in self.calls[:first] if p != "/model_info"]
 
     # ---------------------------------------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -178,6 +198,7 @@ class FakeSGLang:
             r.add_get(path, self.health)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/get_model_info", self.model_info)
+        r.add_get("/model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
         if self.release >= (0, 5, 21):  # the endpoints exist from 0.5.21 on (404 before, as any unknown path)
             r.add_post("/begin_weight_update", self.begin_update)
@@ -289,7 +310,10 @@ class FakeSGLang:
     async def health(self, request: web.Request) -> web.Response:
         self.calls.append((request.path, None))
         self.health_count += 1
-        return web.Response(status=503 if self.health_count <= self.health_503 else 200)
+        # SGLang's health check generates one token, which waits while paused (tokenizer_manager.py:938-939 in
+        # 0.5.23): 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); the fake answers it at once.
+        starting = self.health_count <= self.health_503
+        return web.Response(status=503 if starting or self.paused else 200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         await self._payload(request)
@@ -298,8 +322,14 @@ class FakeSGLang:
             return web.Response(status=400, text="Cache not flushed: requests are running or waiting.\n")
         return web.Response(text="Cache flushed.\n")
 
+    async def _hang_if_stuck(self) -> None:
+        if self.stuck:
+            await asyncio.Event().wait()  # cancelled when the client gives up (connection closed) or at stop()
+
     async def control(self, request: web.Request) -> web.Response:
         await self._payload(request)
+        if request.path in ("/pause_generation", "/continue_generation"):
+            await self._hang_if_stuck()
         if request.path == "/pause_generation":
             self.paused = True
         elif request.path == "/continue_generation":
@@ -339,6 +369,7 @@ class FakeSGLang:
 
     async def end_update(self, request: web.Request) -> web.Response:
         await self._payload(request)
+        await self._hang_if_stuck()
         if not self.session_open:
             message = "no weight-update session is open; call begin_weight_update() first"
             return web.json_response({"success": False, "message": message}, status=400)
@@ -379,6 +410,15 @@ class FakeSGLang:
 
     async def init_group(self, request: web.Request) -> web.Response:
         p = await self._payload(request)
+        if p["group_name"] in self.groups:  # torch refuses the name after the rendezvous (SGLang 0.5.23's
+            # model_runner_components/weight_updater.py:130-144 catches it; distributed_c10d.py's
+            # _new_process_group_helper raises it)
+            message = (
+                "Failed to initialize custom process group: The specified group name has already been created, "
+                "please use a different group name."
+            )
+            return web.json_response({"success": False, "message": message}, status=400)
+        self.groups.add(p["group_name"])
         if not self.join_groups:
             return web.json_response({"success": True, "message": "recorded"})
         # A real server joins with the requested backend (NCCL); the fake, on a CPU, joins with gloo (the tests'
@@ -402,6 +442,7 @@ class FakeSGLang:
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         p = await self._payload(request)
+        await self._hang_if_stuck()
         if (refused := self._refuse()) is not None:
             return refused
         if self.release >= (0, 5, 21) and not self.session_open:  # refused before joining the broadcast
@@ -427,9 +468,14 @@ class FakeSGLang:
         return out
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        await self._payload(request)
+        p = await self._payload(request)
+        await self._hang_if_stuck()
+        if p["group_name"] not in self.groups:  # SGLang 0.5.23 weight_updater.py:146-153
+            message = "The group to be destroyed does not exist."
+            return web.json_response({"success": False, "message": message}, status=400)
+        self.groups.discard(p["group_name"])
         self._group = self._store = None
-        return web.json_response({"success": True, "message": "destroyed"})
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     # ---------------------------------------------------------------------------------------------- running
     async def _serve(self, ready: threading.Event) -> None:
