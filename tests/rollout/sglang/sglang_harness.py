@@ -447,10 +447,50 @@ def join_group(argv: list[str]) -> None:
     os._exit(0)
 
 
+def weight_updater(argv: list[str]) -> None:
+    """`weight-updater GROUP_NAME`: SGLang 0.5.23's own model-runner WeightUpdater (what its scheduler calls for
+    /init_weights_update_group, /update_weights_from_distributed's receive and /destroy_weights_update_group),
+    driven one command a line from stdin, one JSON answer a line on stdout:
+    `init PORT` -> [success, message] (rank 1 of 2, over gloo instead of NCCL); `recv SHAPE_JSON` -> the float32
+    tensor received from rank 0, or [false, message]; `destroy` -> [success, message]. The default process group it
+    asserts is a one-rank gloo group (a real server's is its TP group)."""
+    sys.meta_path.insert(0, _StubFinder())
+    warnings.simplefilter("ignore")
+    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    updater = WeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=None,
+        update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None,
+    )  # fmt: skip
+    name = argv[0]
+    print(json.dumps(["ready"]), flush=True)
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "init":
+            answer: Any = updater.init_weights_update_group("127.0.0.1", int(arg), 1, 2, name, backend="gloo")
+        elif command == "recv":
+            try:
+                ((_, weight),) = updater.receive_weights_from_distributed(
+                    names=["w"], dtypes=["float32"], shapes=[json.loads(arg)], group_name=name
+                )
+                answer = weight.tolist()
+            except Exception as e:  # its scheduler's catch (scheduler_components/weight_updater.py:209-211)
+                answer = [False, f"Failed to receive weights: {e}"]
+        else:
+            answer = updater.destroy_weights_update_group(name)
+        print(json.dumps(answer), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # as join_group: no teardown of live gloo groups
+
+
 def main(argv: list[str]) -> None:
     global MODEL_PATH
     if argv and argv[0] == "join-group":
         return join_group(argv[1:])
+    if argv and argv[0] == "weight-updater":
+        return weight_updater(argv[1:])
     warnings.simplefilter("ignore")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the model is a local directory; nothing is downloaded
     sys.meta_path.insert(0, _StubFinder())

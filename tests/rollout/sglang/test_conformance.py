@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -458,6 +459,86 @@ def test_sglangs_own_process_group_joins_ours_and_receives_the_broadcast(version
             server.wait()
     assert server.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1]) == sent.tolist()
+
+
+DEAD_TRAINER = """
+import sys, time, torch
+from megatron_gspo.rollout.sglang.weight_sync import host_update_store
+from tests.rollout.sglang.gloo_group import join_gloo_group
+
+store = host_update_store(master_address="127.0.0.1", master_port=0, world_size=2, timeout_s=60)
+print(store.port, flush=True)
+group = join_gloo_group(store=store, master_address="127.0.0.1", world_size=2, group_name=sys.argv[1],
+                        timeout_s=60, device=torch.device("cpu"))
+group.broadcast(torch.full((2, 3), 7.0))
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_sglangs_weight_updater_after_its_trainer_is_killed():
+    """What SGLang 0.5.23's own WeightUpdater (model_runner_components/weight_updater.py) does when the trainer
+    of its group is killed with kill -9 and a resumed trainer inits the same group name: the init is refused
+    (torch's "group name has already been created", caught: [false, message], HTTP 400), the destroy our engine
+    sends on attach (engine.py `_undo_dead_trainer`) frees the name, and the next init and broadcast work. Over
+    gloo, the trainers real processes (the killed one SIGKILLed after one broadcast)."""
+    import threading
+
+    import torch
+
+    from megatron_gspo.rollout.sglang.weight_sync import host_update_store
+    from tests.rollout.sglang.gloo_group import join_gloo_group
+
+    name = SGLangConfig.group_name
+    env = dict(os.environ, PYTHONPATH=sglang_path("0.5.23"), OMP_NUM_THREADS="1")
+    argv = [str(ENV_PYTHON), str(HARNESS), "weight-updater", name]
+    server = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    trainer_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    trainer = subprocess.Popen([sys.executable, "-c", DEAD_TRAINER, name], env=trainer_env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def ask(command: str):
+        server.stdin.write(command + "\n")  # type: ignore[union-attr]
+        server.stdin.flush()  # type: ignore[union-attr]
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        assert line, server.stderr.read()[-3000:]  # type: ignore[union-attr]
+        return json.loads(line)
+
+    try:
+        assert json.loads(server.stdout.readline() or "null") == ["ready"], server.stderr.read()[-3000:]
+        port = int(trainer.stdout.readline())  # type: ignore[arg-type, union-attr]
+        assert ask(f"init {port}") == [True, "Succeeded to initialize custom process group."]
+        assert ask("recv [2, 3]") == [[7.0] * 3] * 2
+        assert trainer.stdout.readline().strip() == "sent"  # type: ignore[union-attr]
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+
+        store = host_update_store(master_address="127.0.0.1", master_port=0, world_size=2, timeout_s=60)
+        success, message = ask(f"init {store.port}")
+        assert not success and "The specified group name has already been created" in message
+        assert ask("destroy") == [True, "Succeeded to destroy custom process group."]
+        joined: list = []
+        join = threading.Thread(target=lambda: joined.append(join_gloo_group(
+            store=store, master_address="127.0.0.1", world_size=2, group_name=name, timeout_s=60,
+            device=torch.device("cpu"))))  # fmt: skip
+        join.start()
+        assert ask(f"init {store.port}") == [True, "Succeeded to initialize custom process group."]
+        join.join(timeout=60)
+        sent = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4
+        receiving = threading.Thread(target=lambda: joined.append(ask("recv [2, 3]")))
+        receiving.start()
+        joined[0].broadcast(sent)
+        receiving.join(timeout=60)
+        assert joined[1] == sent.tolist()
+        assert ask("destroy") == [True, "Succeeded to destroy custom process group."]
+        assert ask("destroy") == [False, "The group to be destroyed does not exist."]
+        joined[0].close()
+    finally:
+        for proc in (server, trainer):
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
 
 
 def test_conformance_environment_holds_the_pinned_releases():
