@@ -303,6 +303,15 @@ else
 fi
 
 # ---- (c) SGLang rollouts ---------------------------------------------------------------------------------------
+# Not run here (GPU-only, unverified on CPU): a trainer killed with kill -9 while attached (rollout/sglang/engine.py
+# `_undo_dead_trainer`, tests/rollout/sglang/test_dead_trainer.py against fakes). To check by hand on SGLang
+# 0.5.23 with weight_sync=distributed: SIGKILL the trainer between syncs, then mid-broadcast, and resume on the same
+# servers. Expected from its source: the destroy of the held group answers 200 (model_runner_components/
+# weight_updater.py:146-153) and the next init works; whether torch's destroy_process_group (ProcessGroupNCCL
+# shutdown) of a communicator whose peer died returns or blocks the scheduler is not known; after a kill
+# mid-broadcast the scheduler's NCCL receive (weight_updater.py:282-297: async, then wait) is ended only by NCCL's
+# watchdog at the group's timeout (SGLang passes none: utils/common.py:2894-2895, torch's 30 min), and the
+# paused update holds the tokenizer's pause lock (managers/tokenizer_control_mixin.py:516-520) meanwhile.
 SGLANG_PARTS=(sglang-sft sglang-hf sglang-rl sglang-r3)
 if [[ -z "${SGLANG_PYTHON:-}" ]]; then
     skip_rest "SGLANG_PYTHON is not set (the interpreter of an environment with sglang)" "${SGLANG_PARTS[@]}"

@@ -138,11 +138,11 @@ class SGLangEngine(ServerEngine):
         `_new_process_group_helper`: "The specified group name has already been created") with 400; a session
         left open refuses /begin_weight_update (scheduler_components/weight_updater.py:311-316); a pause left on
         holds every generation, so /health_generate answers 503 (tokenizer_manager.py:938-939, http_server.py:
-        777-797) until startup_timeout_s. So: destroy our group name (400 "does not exist" when there is none),
+        779-799) until startup_timeout_s. So: destroy our group name (400 "does not exist" when there is none),
         end the session (400 when none; 404 before 0.5.21), continue. A server that does not answer is stuck in
         a broadcast from the dead trainer (an update holds the pause lock while its scheduler waits,
-        tokenizer_control_mixin.py:513-516); only NCCL's watchdog ends that (SGLang gives the group torch's
-        30-min default timeout, utils/common.py:2891-2892), so the run stops with one line instead."""
+        tokenizer_control_mixin.py:516-520); only NCCL's watchdog ends that (SGLang gives the group torch's
+        30-min default timeout, utils/common.py:2894-2895), so the run stops with one line instead."""
         cfg = self.config
         await self._healthy(url, "/model_info")  # the HTTP side only: answers while paused or stuck
         steps = (

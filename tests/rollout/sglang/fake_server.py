@@ -181,7 +181,8 @@ class FakeSGLang:
         health = ("/health_generate", "/health")
         first = next((i for i, (p, _) in enumerate(self.calls) if p in health), 0)
         left_out = ("/server_info", "/model_info", *health)
-        return [p for i, (p, _) in enumerate(self.calls) if p not in left_out and (i >= first or p not in ATTACH)]
+        kept = [(i, p) for i, (p, _) in enumerate(self.calls) if p not in left_out]
+        return [p for i, p in kept if i >= first or p not in ATTACH]
 
     def attach_paths(self) -> list[str]:
         """What was sent before the first health check (an attaching engine's clean-up), /model_info left out."""
@@ -324,7 +325,8 @@ class FakeSGLang:
 
     async def _hang_if_stuck(self) -> None:
         if self.stuck:
-            await asyncio.Event().wait()  # cancelled when the client gives up (connection closed) or at stop()
+            # cancelled when the client gives up (connection closed) or at stop()
+            await asyncio.Event().wait()
 
     async def control(self, request: web.Request) -> web.Response:
         await self._payload(request)
