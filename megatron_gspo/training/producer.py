@@ -22,8 +22,8 @@ start still under the bound above): a single call's server batch drains to its l
 engine step is paid for a few sequences; the next batch's requests fill it (ServerEngine.generate serves
 concurrent callers). Batch p is still made from the p-th prompts with batch p's seed, and the training stage
 takes batches strictly in index order whichever call ends first. The threads score under one lock, so each
-batch's scorer window is its own. The in-process engine samples from the training model itself: it only runs on demand (production
-never overlaps training), which is why config.py allows it with async and max_staleness 0 only.
+batch's scorer window is its own. The in-process engine samples from the training model itself: it only runs on
+demand (production never overlaps training), which is why config.py allows it with async and max_staleness 0 only.
 
 No collectives in the producer thread: torch.distributed calls of two threads of one process would interleave
 on the same groups. Each data-parallel rank produces its shard of the same global batches on its own; every
@@ -146,7 +146,8 @@ def produce_batch(trainer, scorer, scoring: threading.Lock, stopped: threading.E
     with scoring:
         rewards = trainer.score(mine, rollouts, scorer)
         errors = float(scorer.last_metrics.get("reward_errors", 0.0))
-        return scored_groups(mine, rollouts, rewards), {"reward_errors": errors, "window": scorer.take_window()}
+        window = scorer.take_window()
+    return scored_groups(mine, rollouts, rewards), {"reward_errors": errors, "window": window}
 
 
 def ahead_stage(trainer) -> AheadStage:
@@ -188,8 +189,9 @@ class RolloutProducer:
 
     def __init__(self, produce: Callable[[int, list[PromptItem]], BatchResult], sampler: PromptSampler, *,
                  first: int, version: int, lookahead: int, ahead: bool = True, immediate_sync: bool = False,
-                 calls: int = 1, barrier: Callable[[], None] | None = None, device: torch.device | None = None,
-                 stopped: threading.Event | None = None, close_timeout_s: float = 5.0):
+                 calls: int = 1, barrier: Callable[[], None] | None = None,
+                 device: torch.device | None = None, stopped: threading.Event | None = None,
+                 close_timeout_s: float = 5.0):
         if calls < 1 or (calls > 1 and not immediate_sync):
             raise ValueError(f"RolloutProducer(calls={calls}) must be 1, or >= 1 with immediate_sync=True "
                              "(an engine that takes weight syncs mid-call)")
@@ -242,7 +244,7 @@ class RolloutProducer:
                     self._times["time_producer_idle"] += time.monotonic() - t0
                     if self.stopped.is_set():
                         return
-                    # Index and prompts together: batch p is the sampler's p-th batch whichever thread makes it.
+                    # Index and prompts together: batch p is the sampler's p-th batch, whichever thread.
                     index, items = self._next, next(self._sampler)
                     self._next += 1
                     self._generating += 1
@@ -262,6 +264,9 @@ class RolloutProducer:
                 self._error = e
                 self._cond.notify_all()
 
+    def _alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
@@ -272,7 +277,7 @@ class RolloutProducer:
             self._demand = max(self._demand, index)
             self._cond.notify_all()
             t0 = time.monotonic()
-            while index not in self._ready and self._error is None and any(t.is_alive() for t in self._threads):
+            while index not in self._ready and self._error is None and self._alive():
                 self._cond.wait(timeout=1.0)
             self._times["time_wait_producer"] += time.monotonic() - t0
             self._raise_error()

@@ -43,6 +43,6 @@ def limit_shm_spin(busy_loop_s: float) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     if not vllm.__version__.startswith(SPIN_VLLM):
-        raise RuntimeError(f"vllm.shm_busy_loop_s patches vLLM {SPIN_VLLM}x's SpinCondition, this server runs vLLM "
-                           f"{vllm.__version__}: remove vllm.shm_busy_loop_s from the config")
+        raise RuntimeError(f"vllm.shm_busy_loop_s patches vLLM {SPIN_VLLM}x's SpinCondition, this server runs "
+                           f"vLLM {vllm.__version__}: remove vllm.shm_busy_loop_s from the config")
     shm_broadcast.SpinCondition.busy_loop_s = property(lambda self: busy_loop_s, lambda self, value: None)

@@ -55,7 +55,8 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow  # imports vLLM: ~10 s
-@pytest.mark.skipif(not VLLM_PYTHON.exists() and not os.environ.get("CI"), reason="no .venv-vllm: `make rollout-env`")
+@pytest.mark.skipif(not VLLM_PYTHON.exists() and not os.environ.get("CI"),
+                    reason="no .venv-vllm: run `make rollout-env` (in CI this test never skips)")
 def test_the_plugin_limits_every_spin_condition_reader_of_vllm_032_and_refuses_another_vllm(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([str(VLLM_PYTHON), "-c", READERS, str(tmp_path / "notify")], cwd=ROOT, env=env,
