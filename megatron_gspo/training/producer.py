@@ -329,8 +329,9 @@ class RolloutProducer:
             self._cond.notify_all()
 
     def take_times(self) -> dict[str, float]:
-        """Seconds since the last call: the producer generating / waiting, the trainer waiting for a batch / for
-        the producer's call before a weight sync or evaluation."""
+        """Seconds since the last call: the producer generating / waiting (summed over its threads: with several
+        calls in flight busy can exceed the wall time), the trainer waiting for a batch / for the producer's calls
+        before a weight sync or evaluation."""
         with self._cond:
             times, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return times
