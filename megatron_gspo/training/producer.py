@@ -17,8 +17,13 @@ rather than batch indices keeps top-ups (extra batches within one step) from eat
 Weight syncs and evaluation wait for the producer's current generate call (`engine_turn`): a server engine runs
 one private event loop and is not re-entrant, so a sync between calls is the safe default. An engine that sets
 `supports_partial_rollouts = True` (it continues in-flight generations under new weights) takes the sync at once
-in async mode. The in-process engine samples from the training model itself: it only runs on demand (production
-never overlaps training), which is why config.py allows it with async and max_staleness 0 only.
+in async mode, and there the producer keeps up to `lookahead` generate calls in flight (one thread each, every
+start still under the bound above): a single call's server batch drains to its longest answers, where each
+engine step is paid for a few sequences; the next batch's requests fill it (ServerEngine.generate serves
+concurrent callers). Batch p is still made from the p-th prompts with batch p's seed, and the training stage
+takes batches strictly in index order whichever call ends first. The threads score under one lock, so each
+batch's scorer window is its own. The in-process engine samples from the training model itself: it only runs on
+demand (production never overlaps training), which is why config.py allows it with async and max_staleness 0 only.
 
 No collectives in the producer thread: torch.distributed calls of two threads of one process would interleave
 on the same groups. Each data-parallel rank produces its shard of the same global batches on its own; every
@@ -128,17 +133,21 @@ def produce_groups(trainer, step_seed: int) -> tuple[list[RolloutGroup], dict]:
     return groups, {"reward_errors": errors, "topup_rounds": float(rounds)}
 
 
-def produce_batch(trainer, scorer, stopped: threading.Event, index: int, items: list[PromptItem]) -> BatchResult:
-    """Batch `index` of the global prompt order, in the producer thread: this rank's shard, generated with the
-    seed synchronous RL uses at step `index` (GSPOTrainer.produce, round 0), scored. No collectives. Once the
+def produce_batch(trainer, scorer, scoring: threading.Lock, stopped: threading.Event, index: int,
+                  items: list[PromptItem]) -> BatchResult:
+    """Batch `index` of the global prompt order, in a producer thread: this rank's shard, generated with the
+    seed synchronous RL uses at step `index` (GSPOTrainer.produce, round 0), scored under `scoring` (the
+    producer's threads share one scorer: its last_metrics and window are per call). No collectives. Once the
     producer is `stopped` the batch would be dropped: it is not scored (the scorer may be closed by then)."""
     mine = trainer.rt.shard(items)
     rollouts = trainer.generate(mine, trainer.cfg.trainer.seed * 1_000_003 + index)
     if stopped.is_set():
         return [], {"reward_errors": 0.0, "window": (0, 0, None)}
-    rewards = trainer.score(mine, rollouts, scorer)
-    errors = float(scorer.last_metrics.get("reward_errors", 0.0))
-    return scored_groups(mine, rollouts, rewards), {"reward_errors": errors, "window": scorer.take_window()}
+    with scoring:
+        rewards = trainer.score(mine, rollouts, scorer)
+        errors = float(scorer.last_metrics.get("reward_errors", 0.0))
+        window = scorer.take_window()
+    return scored_groups(mine, rollouts, rewards), {"reward_errors": errors, "window": window}
 
 
 def ahead_stage(trainer) -> AheadStage:
@@ -149,14 +158,17 @@ def ahead_stage(trainer) -> AheadStage:
     sampler.load_state_dict(trainer.sampler.state_dict())
     scorer = trainer.scorer.sharing()  # its own counters: the main thread takes the trainer scorer's window
     stopped = threading.Event()
+    immediate_sync = r.mode == "async" and bool(getattr(rt.engine, "supports_partial_rollouts", False))
     producer = RolloutProducer(
-        functools.partial(produce_batch, trainer, scorer, stopped),
+        functools.partial(produce_batch, trainer, scorer, threading.Lock(), stopped),
         sampler,
         first=trainer.rollout_batches,
         version=trainer.step,
         lookahead=1 if r.mode == "one_step_off" else r.max_staleness,
         ahead=r.engine != "local",  # the in-process engine samples from the training model: on demand only
-        immediate_sync=r.mode == "async" and bool(getattr(rt.engine, "supports_partial_rollouts", False)),
+        immediate_sync=immediate_sync,
+        # The multi-turn driver keeps per-call state (its last_metrics): one call at a time there.
+        calls=max(1, r.max_staleness) if immediate_sync and trainer.multiturn is None else 1,
         barrier=dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None,
         device=rt.device,
         stopped=stopped,
@@ -169,14 +181,20 @@ def ahead_stage(trainer) -> AheadStage:
 
 
 class RolloutProducer:
-    """A thread producing prompt batches ahead of the training stage (module doc). `produce(index, items)` makes
-    batch `index` from the global batch `items`; it runs in the thread and must use no collectives. `device`: the
-    trainer's (made current in the thread); `stopped` is set by `close`."""
+    """Threads producing prompt batches ahead of the training stage (module doc). `produce(index, items)` makes
+    batch `index` from the global batch `items`; it runs in a producer thread and must use no collectives.
+    `calls`: generate calls kept in flight (one thread each; above 1 only with `immediate_sync`, as syncs wait
+    for every call otherwise). `device`: the trainer's (made current in the threads); `stopped` is set by
+    `close`."""
 
     def __init__(self, produce: Callable[[int, list[PromptItem]], BatchResult], sampler: PromptSampler, *,
                  first: int, version: int, lookahead: int, ahead: bool = True, immediate_sync: bool = False,
-                 barrier: Callable[[], None] | None = None, device: torch.device | None = None,
-                 stopped: threading.Event | None = None, close_timeout_s: float = 5.0):
+                 calls: int = 1, barrier: Callable[[], None] | None = None,
+                 device: torch.device | None = None, stopped: threading.Event | None = None,
+                 close_timeout_s: float = 5.0):
+        if calls < 1 or (calls > 1 and not immediate_sync):
+            raise ValueError(f"RolloutProducer(calls={calls}) must be 1, or >= 1 with immediate_sync=True "
+                             "(an engine that takes weight syncs mid-call)")
         self._produce = produce
         self._sampler = sampler
         self._next = first
@@ -193,13 +211,15 @@ class RolloutProducer:
         self.close_timeout_s = close_timeout_s
         self._ready: dict[int, BatchResult] = {}
         self._cond = threading.Condition()
-        self._generating = False
+        self._generating = 0  # calls in flight
         self._turns = 0
         self._error: BaseException | None = None
         self._times = {"time_producer_busy": 0.0, "time_producer_idle": 0.0, "time_wait_producer": 0.0,
                        "time_sync_wait": 0.0}
-        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"rollout-producer-{i}", daemon=True)
+                         for i in range(calls)]
+        for thread in self._threads:
+            thread.start()
 
     def _may_start(self) -> bool:
         if self._turns:  # a weight sync or evaluation is waiting for the engine
@@ -224,14 +244,16 @@ class RolloutProducer:
                     self._times["time_producer_idle"] += time.monotonic() - t0
                     if self.stopped.is_set():
                         return
-                    index, self._generating = self._next, True
+                    # Index and prompts together: batch p is the sampler's p-th batch, whichever thread.
+                    index, items = self._next, next(self._sampler)
                     self._next += 1
+                    self._generating += 1
                 t0 = time.monotonic()
                 try:
-                    result = self._produce(index, next(self._sampler))
+                    result = self._produce(index, items)
                 finally:
                     with self._cond:
-                        self._generating = False
+                        self._generating -= 1
                         self._times["time_producer_busy"] += time.monotonic() - t0
                         self._cond.notify_all()
                 with self._cond:
@@ -241,6 +263,9 @@ class RolloutProducer:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -252,7 +277,7 @@ class RolloutProducer:
             self._demand = max(self._demand, index)
             self._cond.notify_all()
             t0 = time.monotonic()
-            while index not in self._ready and self._error is None and self._thread.is_alive():
+            while index not in self._ready and self._error is None and self._alive():
                 self._cond.wait(timeout=1.0)
             self._times["time_wait_producer"] += time.monotonic() - t0
             self._raise_error()
@@ -264,8 +289,8 @@ class RolloutProducer:
 
     @contextlib.contextmanager
     def engine_turn(self, version: int | None = None) -> Iterator[None]:
-        """The engine to the main thread: waits for the producer's current generate call and holds back the next
-        one meanwhile. With `version`, a weight sync to it (at once when the engine continues in-flight
+        """The engine to the main thread: waits for the producer's generate calls in flight and holds back the next
+        ones meanwhile. With `version`, a weight sync to it (at once when the engine continues in-flight
         generations across it), after which the producer may run ahead of `version`. Once the producer is closed
         nothing is waited for: its call's result is dropped (a server engine serves several callers at once)."""
         if version is not None and self.immediate_sync:
@@ -304,23 +329,25 @@ class RolloutProducer:
             self._cond.notify_all()
 
     def take_times(self) -> dict[str, float]:
-        """Seconds since the last call: the producer generating / waiting, the trainer waiting for a batch / for
-        the producer's call before a weight sync or evaluation."""
+        """Seconds since the last call: the producer generating / waiting (summed over its threads: with several
+        calls in flight busy can exceed the wall time), the trainer waiting for a batch / for the producer's calls
+        before a weight sync or evaluation."""
         with self._cond:
             times, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return times
 
     def close(self) -> None:
-        """Stops the producer; unused batches go. An idle producer thread ends at once (waited for up to
-        close_timeout_s); a generate call in flight is not waited for: it is left to the daemon thread, its batch
-        is neither scored nor kept, and the engine's close cancels it (ServerEngine.close). The engines offer no
-        abort of one call from another thread."""
+        """Stops the producer; unused batches go. Idle producer threads end at once (waited for up to
+        close_timeout_s); generate calls in flight are not waited for: each is left to its daemon thread, its
+        batch is neither scored nor kept, and the engine's close cancels it (ServerEngine.close). The engines offer
+        no abort of one call from another thread."""
         with self._cond:
             self.stopped.set()
             generating = self._generating
             self._cond.notify_all()
         if not generating:
-            self._thread.join(timeout=self.close_timeout_s)
+            for thread in self._threads:
+                thread.join(timeout=self.close_timeout_s)
 
 
 class AheadStage:

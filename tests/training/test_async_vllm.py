@@ -1,7 +1,8 @@
-"""rollout.mode=one_step_off against the real vLLM CPU server (the module's server fixture of
+"""rollout.mode=one_step_off and async against the real vLLM CPU server (the module's server fixture of
 tests/rollout/vllm/test_end_to_end.py): batch s+1 is generated while step s trains, so every batch after the
 first lags one weight version; a SIGTERM mid-run checkpoints the steps taken (the batch in flight and the one
-produced ahead are discarded) and --resume continues with every step logged once."""
+produced ahead are discarded) and --resume continues with every step logged once. An async run (partial
+rollouts) killed with SIGKILL resumes as exactly, on the same server."""
 
 from __future__ import annotations
 
@@ -72,3 +73,41 @@ def test_one_step_off_on_two_data_parallel_ranks_sharing_the_server(server, tmp_
     assert sorted(rows) == [1, 2, 3, 4]
     assert [rows[s]["staleness_max"] for s in rows] == [0, 1, 1, 1]
     assert all(rows[s]["rollout_batches"] == s for s in rows)
+
+
+@pytest.mark.slow
+def test_killed_async_run_with_partial_rollouts_resumes_and_the_shared_server_takes_its_weights(server, tmp_path):  # noqa: F811
+    """rollout.mode=async (max_staleness 2: the vLLM engine syncs mid-generation, two generate calls in flight)
+    killed with SIGKILL mid-run, then --resume with the same config: the batches produced ahead, buffered or in
+    flight die with the process (their requests left on the server end there); the resumed run starts at the
+    checkpointed step and batch position, makes those batches again from the same prompts under its own
+    weights, and pushes those weights to the shared server first."""
+    url = server.server_urls[0]
+    run = tmp_path / "run"
+    attach = ["vllm.mode=attach", f"vllm.urls=[{url}]", "rollout.mode=async", "rollout.max_staleness=2"]
+    proc = _train(run, ["trainer.steps=30", *attach], popen=True)
+    latest = run / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= "iter_0000003":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the kill:\n" + proc.stderr.read()[-3000:]
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    done = int(latest.read_text().strip().split("_")[1])
+    assert server.weight_versions()[0] >= done  # the killed run had pushed its step-`done` weights or later
+
+    res = _train(run, [f"trainer.steps={done + 3}", *attach], resume=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"at step {done}" in res.stderr
+    rows = _rows(run)
+    assert sorted(rows) == list(range(1, done + 4)), "a step skipped or logged twice"
+    # batch s is the s-th batch of the global prompt order (none twice, none skipped across the kill)
+    assert [rows[s]["rollout_batches"] for s in rows] == list(range(1, done + 4))
+    assert all(rows[s]["staleness_max"] <= 2 and rows[s]["groups_stale"] == 0 for s in rows)
+    # the first batch after the resume was sampled under the resumed weights (version `done`, pushed at start-up
+    # over the killed run's newer ones), and the server ends holding the resumed run's last weights
+    assert rows[done + 1]["staleness_max"] == 0
+    assert server.weight_versions() == [done + 3]

@@ -49,12 +49,16 @@ class Engine:
     def produce(self, index: int, items: list[PromptItem]):
         self.started.append((index, self.version))
         self.in_call.set()
-        if self.gate is not None:
-            self.gate.wait(10)
+        gate = self.gate_of(index)
+        if gate is not None:
+            assert gate.wait(10), f"batch {index} was never released"
         per = len(items) // self.world
         mine = items[self.rank * per : (self.rank + 1) * per]
         groups = scored_groups(mine, _rollouts(len(mine) * G, self.version), _rewards(mine))
         return groups, {"reward_errors": 0.0, "window": (len(mine) * G, 0, None)}
+
+    def gate_of(self, index: int) -> threading.Event | None:
+        return self.gate
 
 
 def _producer(engine: Engine, lookahead: int, **kw) -> RolloutProducer:
@@ -74,10 +78,10 @@ def _sync(producer: RolloutProducer, engine: Engine, version: int) -> None:
         engine.version = version
 
 
-@pytest.mark.parametrize("lookahead", [0, 1, 2])
-def test_the_producer_runs_ahead_by_lookahead_versions_and_no_further(lookahead):
+@pytest.mark.parametrize("lookahead, calls", [(0, 1), (1, 1), (2, 1), (2, 2)])
+def test_the_producer_runs_ahead_by_lookahead_versions_and_no_further(lookahead, calls):
     engine = Engine()
-    producer = _producer(engine, lookahead)
+    producer = _producer(engine, lookahead, calls=calls, immediate_sync=calls > 1)
     try:
         for step in range(4):
             producer.batch(step)
@@ -142,6 +146,60 @@ def test_an_engine_with_partial_rollouts_syncs_without_waiting():
         producer.batch(0)
     finally:
         producer.close()
+
+
+class GatedEngine(Engine):
+    """Each batch's call is held by its own gate: which calls overlap, and in which order they end, is the
+    test's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gates = {i: threading.Event() for i in range(8)}
+        self.items: dict[int, list[str]] = {}
+
+    def produce(self, index: int, items: list[PromptItem]):
+        self.items[index] = [it.prompt for it in items]
+        return super().produce(index, items)
+
+    def gate_of(self, index: int) -> threading.Event:
+        return self.gates[index]
+
+
+def test_with_partial_rollouts_calls_overlap_and_batches_arrive_in_order_with_their_own_prompts():
+    engine = GatedEngine()
+    producer = _producer(engine, 2, immediate_sync=True, calls=2)
+    try:
+        _wait_for(lambda: len(engine.started) == 2)
+        time.sleep(0.05)
+        assert sorted(engine.started) == [(0, 0), (1, 0)]  # two calls in flight, no third thread
+        engine.gates[1].set()  # batch 1 ends first
+        _wait_for(lambda: 1 in producer._ready)
+        taken = threading.Thread(target=producer.batch, args=(0,))
+        taken.start()
+        time.sleep(0.05)
+        assert taken.is_alive(), "batch 0 was handed over before its call ended"
+        engine.gates[0].set()
+        taken.join(5)
+        _sync(producer, engine, 1)  # immediate: the next calls start under version 1
+        groups, _ = producer.batch(1)
+        oracle = PromptSampler(DATA, 4, seed=3)
+        expected = [[it.prompt for it in next(oracle)] for _ in range(4)]
+        assert [g.item.prompt for g in groups] == expected[1] == engine.items[1]
+        assert engine.items[0] == expected[0]
+        _wait_for(lambda: len(engine.started) == 4)
+        time.sleep(0.05)
+        assert sorted(i for i, _ in engine.started) == [0, 1, 2, 3]  # batch 4 waits for a taken batch
+        assert all(version >= index - 2 for index, version in engine.started)  # the staleness bound holds
+        assert engine.items[2] == expected[2] and engine.items[3] == expected[3]
+    finally:
+        for gate in engine.gates.values():
+            gate.set()
+        producer.close()
+
+
+def test_several_calls_in_flight_need_an_engine_that_syncs_mid_call():
+    with pytest.raises(ValueError, match=r"calls=2.*immediate_sync=True"):
+        _producer(Engine(), 2, calls=2)
 
 
 def test_a_producer_error_reaches_the_training_stage():
@@ -257,8 +315,8 @@ def test_closing_while_a_generate_call_is_in_flight_returns_at_once_and_an_evalu
         producer.close()
         with producer.engine_turn():  # the final evaluation
             pass
-        assert producer._thread.is_alive(), "close / engine_turn waited for the discarded call to end"
+        assert producer._threads[0].is_alive(), "close / engine_turn waited for the discarded call to end"
     finally:
         engine.gate.set()
-    producer._thread.join(5)
-    assert not producer._thread.is_alive() and engine.started == [(0, 0)]  # the call's end starts nothing more
+    producer._threads[0].join(5)
+    assert not producer._threads[0].is_alive() and engine.started == [(0, 0)]  # the call's end starts nothing more

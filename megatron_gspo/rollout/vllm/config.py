@@ -87,6 +87,12 @@ class VLLMConfig(ServerConfig):
     `cpu_threads` leaves core placement to the OS (what a machine shared with the trainer wants)."""
     cpu_threads: int = 0
     """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
+    shm_busy_loop_s: float | None = None
+    """Seconds a vLLM process keeps spinning (sched_yield) for the next shared-memory message after a read before
+    it sleeps on a socket; null: vLLM 0.32's hard-coded 1 s. While the Worker generates, its EngineCore spins
+    there (about 0.45 core on a CPU host shared with the trainer); 0 stops that at a wake-up latency per engine
+    step, a few ms keep most of the speed. Launch mode: the plugin applies it in the servers (plugin.py), vLLM 0.32
+    only."""
 
     capture_routes: bool = False
     """R3 on CPU servers (which return no routes): record them with megatron-gspo's hooks on the MoE gates
@@ -119,6 +125,11 @@ class VLLMConfig(ServerConfig):
                 "vllm.extra_server_args has --enable-chunked-prefill: a chunked re-prefill after a weight sync "
                 "crashes a CPU vLLM server with vllm.partial_rollouts=true (seeded generators cannot be offset on "
                 "CPU); remove the flag or set vllm.partial_rollouts=false"
+            )
+        if self.shm_busy_loop_s is not None and (isinstance(self.shm_busy_loop_s, bool) or not (
+                isinstance(self.shm_busy_loop_s, (int, float)) and self.shm_busy_loop_s >= 0)):
+            raise ValueError(
+                f"vllm.shm_busy_loop_s={self.shm_busy_loop_s!r} must be seconds >= 0 (null: vLLM's 1 s)"
             )
         check_ints(self, ("max_model_len", "kv_cache_memory_bytes", "seed", "cpu_threads"), minimum=0)
         check_ints(self, ("tp_size",), minimum=1)

@@ -6,7 +6,7 @@ import json
 import os
 
 from megatron_gspo.rollout.vllm.config import VLLMConfig
-from megatron_gspo.rollout.vllm.plugin import BACKEND
+from megatron_gspo.rollout.vllm.plugin import BACKEND, BUSY_LOOP_ENV
 
 CAPTURE_EXTENSION = "megatron_gspo.rollout.vllm.worker.RoutingCaptureExtension"
 
@@ -61,5 +61,7 @@ def server_env(cfg: VLLMConfig) -> dict[str, str | None]:
         env["VLLM_CPU_KVCACHE_SPACE"] = None  # an empty value crashes vLLM's CPU backend (int(""))
     if cfg.cpu_threads:
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
+    if cfg.shm_busy_loop_s is not None:
+        env[BUSY_LOOP_ENV] = repr(float(cfg.shm_busy_loop_s))
     env.update(cfg.server_env)
     return env
