@@ -138,11 +138,22 @@ def cmd_stability(args) -> int:
     from megatron_gspo.training.runtime import configure_logging
 
     configure_logging()
+    if args.report_only:
+        from megatron_gspo.benchmarks.stability.benchmark import report_from_runs
+
+        print(report_from_runs(args.out).read_text())
+        return 0
     cell = []
     if args.cell:
         from megatron_gspo.benchmarks.stability.drivers import cell_overrides
 
         cell = cell_overrides(args.cell)
+    if args.print_runs:
+        from megatron_gspo.benchmarks.stability.benchmark import print_runs
+
+        print_runs(args.config or str(STABILITY_CONFIG), [*cell, *args.overrides], args.out,
+                   [v.strip() for v in args.variants.split(",") if v.strip()], seeds=args.seeds)
+        return 0
     result = run_stability(
         args.config or str(STABILITY_CONFIG),
         [*cell, *args.overrides],
@@ -235,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cell", default=None,
                    help="collapse drivers applied before the overrides (benchmarks/stability/drivers.py), e.g. "
                         "engine_bf16+k8")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: report the finished runs under --out/<variant>/seed<N>/ (e.g. one cluster "
+                        "job per run, examples/qwen3_30b_a3b_stability.sh)")
+    p.add_argument("--print-runs", action="store_true",
+                   help="train nothing: print one line per run (variant, seed, run directory, its overrides; tab-"
+                        "separated) for a scheduler to submit, as examples/qwen3_30b_a3b_stability.sh does")
     p.set_defaults(func=cmd_stability)
     from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS
 
