@@ -50,6 +50,8 @@ DRIVERS: dict[str, Driver] = {
     "k8": Driver("staleness", ("trainer.minibatches=8", "optim.warmup_steps=8")),
     "k16": Driver("staleness", ("trainer.minibatches=16", "optim.warmup_steps=16")),
     "lr_1e-4": Driver("lr", ("optim.lr=1e-4",)),
+    # Between the preset's 3e-4 (stable for both) and 4.5e-4 (both collapse in the screen): the threshold region.
+    "lr_3.75e-4": Driver("lr", ("optim.lr=3.75e-4",)),
     "lr_4.5e-4": Driver("lr", ("optim.lr=4.5e-4",)),
     "lr_6e-4": Driver("lr", ("optim.lr=6e-4",)),
     "aux_off": Driver("router", ("model.overrides.router_aux_loss_coef=0.0",)),

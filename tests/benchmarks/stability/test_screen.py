@@ -44,7 +44,7 @@ def test_driver_knobs_reach_the_config():
     assert both.model.dtype == "bf16" and both.rollout.local.backend == "hf"
     assert cfg("pi_old_engine_bf16").rollout.old_logprobs == "engine"
     assert cfg("k16").trainer.minibatches == 16 and cfg("k16").optim.warmup_steps == 16
-    assert cfg("lr_6e-4").optim.lr == 6e-4
+    assert cfg("lr_6e-4").optim.lr == 6e-4 and cfg("lr_3.75e-4").optim.lr == 3.75e-4
     assert cfg("aux_off").model.model_config().router_aux_loss_coef == 0
     assert cfg("top2").model.model_config().num_experts_per_tok == 2
     long = cfg("long_answers")
