@@ -269,9 +269,11 @@ def run_stability(
     budget_minutes: float | None = None,
     runner: Callable[[RunConfig], None] = train_run,
     clock: Callable[[], float] = time.monotonic,
+    note: str | None = None,
 ) -> BenchmarkResult:
     """SFT once (unless model.load is set), then every (variant, seed) run in seed-major order, then the report.
 
+    `note`: a line for the report's header (e.g. what the default setting is and why: drivers.DEFAULT_LABEL).
     `budget_minutes` bounds the whole invocation: a run starts only while the elapsed time plus the longest run
     so far (0 before the first) fits in it; runs that do not fit are listed as skipped in the report.
     """
@@ -369,6 +371,8 @@ def run_stability(
             f"Code of the runs trained by this invocation: {code.get('commit', 'unknown')}"
             f"{' (uncommitted changes)' if code.get('dirty') else ''}.",
         ]
+        if note:
+            header.append(note)
         write_report(out, result.done, skipped=result.skipped, header=header)
         log.info("stability report written to %s (%s)", result.report, _minutes(total))
     return result

@@ -249,8 +249,10 @@ def test_budget_stops_starting_runs_that_would_not_fit_and_reuse_costs_nothing(t
         budget_minutes=25,
         runner=runner,
         clock=clock,
+        note="NOTE: what this setting is",
     )
     assert ran == [("gspo", "off", 1235), ("grpo", "r2", 1235)] and not result.skipped
+    assert "NOTE: what this setting is" in (tmp_path / "out" / "report.md").read_text()
     with pytest.raises(ValueError, match="--budget-minutes=0 must be > 0"):
         run_stability(
             "examples/stability_moe.yaml", overrides, str(tmp_path / "x"), ["gspo"], budget_minutes=0
