@@ -1,7 +1,7 @@
 """Checks that a GPU install is the configuration megatron-gspo is written for (run by tools/install.sh on GPU hosts
 and by tools/gpu_smoke.sh part `env`): transformer-engine imports and megatron-core sees it (else megatron builds the
 local spec and trains without TE, silently), Triton can compile for this GPU (its compiler and libcuda), NCCL is in
-torch and works. Each failure is one line `gpu env: FAIL <what>: <why> -- <fix>`; exit status 1 when any failed.
+torch and works (a one-rank group: the weight sync's agreement, `all_ranks_ok`, from two threads). Each failure is one line `gpu env: FAIL <what>: <why> -- <fix>`; exit status 1 when any failed.
 
     python tools/gpu_env_check.py [--skip te]
 
@@ -111,19 +111,67 @@ def check_nccl(torch_module=None) -> str:
     return f"torch {torch.__version__}, NCCL {text}"
 
 
+def check_rank_agreement(backend: str = "nccl") -> str:
+    """The weight sync's agreement step works on this backend (issue 27): `all_ranks_ok` (rollout/server/factory.py)
+    is torch's all_gather_object, which on an NCCL group pickles into a tensor on the *current* CUDA device and
+    gathers there (torch 2.13 torch/distributed/distributed_c10d.py all_gather_object, `current_device =
+    _get_object_coll_device(group)` / `_object_to_tensor(obj, current_device, group)`); run from the main thread
+    and from a thread that first sets the device, as the rollout producer thread does (training/producer.py
+    RolloutProducer._run), over a one-rank group. `backend="gloo"` runs the same on CPU (tests)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_gspo.rollout.server.factory import all_ranks_ok
+
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    try:
+        seen = [all_ranks_ok(True), all_ranks_ok(False)]
+
+        def producer() -> None:
+            if cuda:
+                torch.cuda.set_device(0)  # a new thread starts on device 0 anyway; the producer sets its rank's
+            seen.append(all_ranks_ok(True))
+
+        thread = threading.Thread(target=producer, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        if thread.is_alive():
+            raise RuntimeError(f"all_ranks_ok from a second thread did not return in 10 s over {backend}")
+        if seen != [True, False, True]:
+            raise RuntimeError(f"all_ranks_ok over {backend} answered {seen} for (True, False, True from a thread)")
+    finally:
+        dist.destroy_process_group()
+    return f"all_ranks_ok over a one-rank {backend} group, main and second thread"
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0][:200]
 
 
-CHECKS = {"nccl": check_nccl, "triton": check_triton, "te": check_te}
+CHECKS = {"nccl": check_nccl, "agreement": check_rank_agreement, "triton": check_triton, "te": check_te}
+
+
+NEEDS = {"agreement": "nccl"}
+"""A check that is not run when the check it needs failed (its line would repeat that cause)."""
 
 
 def run(checks: dict[str, Callable[[], str]], out=print) -> int:
     """Runs each check; one line per check (PASS with what was found, FAIL with why and the fix)."""
     failed = 0
+    failed_names: set[str] = set()
     for name, check in checks.items():
+        if NEEDS.get(name) in failed_names:
+            continue
+        failed_names.add(name)
         try:
             out(f"gpu env: PASS {name}: {check()}")
+            failed_names.discard(name)
         except Exception as err:  # noqa: BLE001 - every failure becomes its one line
             failed += 1
             out(f"gpu env: FAIL {name}: {_first_line(err)}")

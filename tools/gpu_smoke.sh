@@ -13,6 +13,7 @@
 # FAIL or SKIP and puts a figure in the summary table:
 #   env          (20 s)  torch, CUDA, NCCL, Triton, TE versions; tools/gpu_env_check.py: NCCL works, Triton
 #                        compiles and runs a kernel (libcuda found), TE in megatron-core's range (when installed)
+#                        and the weight sync's agreement (all_ranks_ok, all_gather_object) over NCCL from two threads
 #   overlap      (60 s)  issue 25 item 1 on CUDA: fused LM-head log-probs with overlap_grad_reduce +
 #                        overlap_param_gather, the LM head in its own bucket, 4 steps; its weights equal the masters
 #                        (relies on megatron-core 0.16.1 distributed/distributed_data_parallel.py:384-418, the

@@ -138,11 +138,25 @@ def cmd_stability(args) -> int:
     from megatron_gspo.training.runtime import configure_logging
 
     configure_logging()
-    cell = []
-    if args.cell:
-        from megatron_gspo.benchmarks.stability.drivers import cell_overrides
+    if args.report_only:
+        from megatron_gspo.benchmarks.stability.benchmark import report_from_runs
 
-        cell = cell_overrides(args.cell)
+        print(report_from_runs(args.out).read_text())
+        return 0
+    from megatron_gspo.benchmarks.stability import drivers
+
+    cell, note = [], None
+    if args.cell is None and args.config is None:  # the CPU preset: the map's most discriminating cell
+        cell = [*drivers.cell_overrides(drivers.DEFAULT_CELL), f"trainer.steps={drivers.DEFAULT_STEPS}"]
+        note = drivers.DEFAULT_LABEL
+    elif args.cell:
+        cell = drivers.cell_overrides(args.cell)
+    if args.print_runs:
+        from megatron_gspo.benchmarks.stability.benchmark import print_runs
+
+        print_runs(args.config or str(STABILITY_CONFIG), [*cell, *args.overrides], args.out,
+                   [v.strip() for v in args.variants.split(",") if v.strip()], seeds=args.seeds)
+        return 0
     result = run_stability(
         args.config or str(STABILITY_CONFIG),
         [*cell, *args.overrides],
@@ -150,6 +164,7 @@ def cmd_stability(args) -> int:
         [v.strip() for v in args.variants.split(",") if v.strip()],
         seeds=args.seeds,
         budget_minutes=args.budget_minutes,
+        note=note,
     )
     if result.report.is_file() and int(os.environ.get("RANK", "0")) == 0:
         print(result.report.read_text())
@@ -234,7 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no run that would end past this many minutes (estimate: the longest run so far)")
     p.add_argument("--cell", default=None,
                    help="collapse drivers applied before the overrides (benchmarks/stability/drivers.py), e.g. "
-                        "engine_bf16+k8")
+                        "engine_bf16+k8; default without --config: engine_bf16+k8 at 20 RL steps, the most "
+                        "discriminating setting the CPU map found (labelled so in the report); baseline: none")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: report the finished runs under --out/<variant>/seed<N>/ (e.g. one cluster "
+                        "job per run, examples/qwen3_30b_a3b_stability.sh)")
+    p.add_argument("--print-runs", action="store_true",
+                   help="train nothing: print one line per run (variant, seed, run directory, its overrides; tab-"
+                        "separated) for a scheduler to submit, as examples/qwen3_30b_a3b_stability.sh does")
     p.set_defaults(func=cmd_stability)
     from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS
 

@@ -54,6 +54,7 @@ def test_rollout_extras_pin_the_sglang_releases_the_conformance_test_checks(monk
 # ------------------------------------------------------------------ tools/install.sh on a GPU host (stand-ins)
 
 import importlib.util  # noqa: E402
+import sys  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -224,3 +225,21 @@ def test_env_check_on_this_cpu_machine_fails_nccl_in_one_line(capsys):
     assert _env_check().main(["--skip", "te", "--skip", "triton"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [out[0]] and out[0].startswith("gpu env: FAIL nccl: torch sees no CUDA device")
+
+
+def test_the_agreement_check_runs_for_real_on_gloo():
+    """check_rank_agreement over gloo: the code path the GPU check runs over NCCL (a fresh process: it creates
+    and destroys a default process group); it must report a False rank, so it is not vacuous."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('c', {str(ROOT / 'tools' / 'gpu_env_check.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "print(m.check_rank_agreement('gloo'))\n"
+        "import megatron_gspo.rollout.server.factory as f\n"
+        "f.all_ranks_ok = lambda ok=True: True\n"  # an agreement that ignores a failed rank must be caught
+        "try:\n    m.check_rank_agreement('gloo')\nexcept RuntimeError as e:\n    print('CAUGHT', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "all_ranks_ok over a one-rank gloo group, main and second thread" in done.stdout
+    assert "CAUGHT all_ranks_ok over gloo answered [True, True, True]" in done.stdout

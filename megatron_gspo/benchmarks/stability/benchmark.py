@@ -136,6 +136,51 @@ def _finished(run_dir: Path, cfg: RunConfig) -> bool:
     return json.loads(summary.read_text()).get("steps") == cfg.trainer.steps
 
 
+def print_runs(config: str, overrides: list[str], out_dir: str, variants: list[str], *, seeds: str | int) -> None:
+    """The runs `run_stability` would train, one tab-separated line each (variant, seed, run directory, the
+    run's own overrides, space-separated: they come after `overrides`), all configs validated first; for a
+    scheduler that trains each run as its own job (examples/qwen3_30b_a3b_stability.sh), then `--report-only`."""
+    base = load_run_config(config, overrides)
+    runs = plan_runs(variants, parse_seeds(seeds, base.trainer.seed), Path(out_dir), base, [])
+    for r in runs:
+        load_run_config(config, [*overrides, *r.overrides])
+    for r in runs:
+        print("\t".join((r.variant, str(r.seed), str(r.run_dir), " ".join(r.overrides))))
+
+
+def report_from_runs(out_dir: str) -> Path:
+    """report.md of run directories trained elsewhere, e.g. one cluster job per (variant, seed) (examples/
+    qwen3_30b_a3b_stability.sh): every `<out_dir>/<variant>/seed<N>/` holding a run's summary.json and
+    metrics.jsonl, whatever config it ran (the launch scripts add their own overrides, so the exact-config reuse
+    of `run_stability` cannot apply); unfinished and unknown directories are listed, not reported."""
+    from megatron_gspo.benchmarks.stability.report import write_report
+
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise ValueError(f"--report-only: {out} is not a directory of stability runs (<variant>/seed<N>/)")
+    runs: dict[str, dict[int, Path]] = {}
+    left: list[str] = []
+    for run_dir in sorted(out.glob("*/seed*")):
+        variant, seed = run_dir.parent.name, run_dir.name[len("seed"):]
+        done = (run_dir / "summary.json").is_file() and (run_dir / "metrics.jsonl").is_file()
+        if variant in VARIANTS and seed.isdigit() and done:
+            runs.setdefault(variant, {})[int(seed)] = run_dir
+        elif run_dir.is_dir():
+            left.append(f"{variant}/{run_dir.name}")
+    if not runs:
+        raise ValueError(
+            f"--report-only: no finished run under {out} (expected <variant>/seed<N>/ with summary.json and "
+            f"metrics.jsonl; variants: {', '.join(VARIANTS)})"
+        )
+    header = [
+        f"Report of {sum(len(s) for s in runs.values())} finished run(s) found under `{out}` (`--report-only`: "
+        "trained elsewhere, each with its own config.yaml)."
+    ]
+    if left:
+        header.append(f"Not reported (unfinished or not a variant): {', '.join(left)}.")
+    return write_report(out, runs, header=header)
+
+
 def train_run(cfg: RunConfig) -> None:
     """One RL run (the default runner)."""
     from megatron_gspo.training.trainer import GSPOTrainer
@@ -224,9 +269,11 @@ def run_stability(
     budget_minutes: float | None = None,
     runner: Callable[[RunConfig], None] = train_run,
     clock: Callable[[], float] = time.monotonic,
+    note: str | None = None,
 ) -> BenchmarkResult:
     """SFT once (unless model.load is set), then every (variant, seed) run in seed-major order, then the report.
 
+    `note`: a line for the report's header (e.g. what the default setting is and why: drivers.DEFAULT_LABEL).
     `budget_minutes` bounds the whole invocation: a run starts only while the elapsed time plus the longest run
     so far (0 before the first) fits in it; runs that do not fit are listed as skipped in the report.
     """
@@ -324,6 +371,8 @@ def run_stability(
             f"Code of the runs trained by this invocation: {code.get('commit', 'unknown')}"
             f"{' (uncommitted changes)' if code.get('dirty') else ''}.",
         ]
+        if note:
+            header.append(note)
         write_report(out, result.done, skipped=result.skipped, header=header)
         log.info("stability report written to %s (%s)", result.report, _minutes(total))
     return result

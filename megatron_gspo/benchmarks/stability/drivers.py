@@ -50,6 +50,8 @@ DRIVERS: dict[str, Driver] = {
     "k8": Driver("staleness", ("trainer.minibatches=8", "optim.warmup_steps=8")),
     "k16": Driver("staleness", ("trainer.minibatches=16", "optim.warmup_steps=16")),
     "lr_1e-4": Driver("lr", ("optim.lr=1e-4",)),
+    # Between the preset's 3e-4 (stable for both) and 4.5e-4 (both collapse in the screen): the threshold region.
+    "lr_3.75e-4": Driver("lr", ("optim.lr=3.75e-4",)),
     "lr_4.5e-4": Driver("lr", ("optim.lr=4.5e-4",)),
     "lr_6e-4": Driver("lr", ("optim.lr=6e-4",)),
     "aux_off": Driver("router", ("model.overrides.router_aux_loss_coef=0.0",)),
@@ -90,6 +92,18 @@ SCREEN_CELLS = (
 )
 """The screening pass's cells, cheapest first: single drivers, then combinations of the mismatch with staleness
 and learning rate, then those that need their own cold-start SFT model."""
+
+
+DEFAULT_CELL = "engine_bf16+k8"
+DEFAULT_STEPS = 20
+DEFAULT_LABEL = (
+    "Default setting of `megatron-gspo stability` (no --config, no --cell): cell engine_bf16+k8 at 20 RL steps, the "
+    "most discriminating setting the CPU map found (results/stability_moe/pass_bf16_k8.md: GRPO collapsed in 3/3 "
+    "seeds, GSPO in 2/3, GRPO + R2 3/3, GRPO + R3 3/3), short of issue 29's bar (GRPO in >= 2/3, GSPO in 0/3): no "
+    "CPU setting found separates them (README 'Collapse drivers'); `--cell baseline` runs the plain preset."
+)
+"""`megatron-gspo stability`'s default on the CPU preset (cli/main.py), and what the map says of it: the 3-seed pass of
+gspo / grpo / grpo_r2 / grpo_r3 on the cells where GRPO collapsed in the screen."""
 
 
 def parse_cell(cell: str) -> list[str]:

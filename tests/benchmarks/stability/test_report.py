@@ -249,8 +249,10 @@ def test_budget_stops_starting_runs_that_would_not_fit_and_reuse_costs_nothing(t
         budget_minutes=25,
         runner=runner,
         clock=clock,
+        note="NOTE: what this setting is",
     )
     assert ran == [("gspo", "off", 1235), ("grpo", "r2", 1235)] and not result.skipped
+    assert "NOTE: what this setting is" in (tmp_path / "out" / "report.md").read_text()
     with pytest.raises(ValueError, match="--budget-minutes=0 must be > 0"):
         run_stability(
             "examples/stability_moe.yaml", overrides, str(tmp_path / "x"), ["gspo"], budget_minutes=0
@@ -274,3 +276,32 @@ def test_with_pi_old_from_the_engine_the_mismatch_is_the_first_minibatch_ratio(t
     engine = summarise_run(run)
     assert math.isnan(engine["mismatch_kl"]) and math.isnan(engine["frac_ratio_above_2"])
     assert engine["engine_ratio_kl"] == pytest.approx(3.5e-4)
+
+
+# ---- report of runs trained elsewhere (one cluster job per run) ------------------------------------------
+def test_report_only_reports_the_finished_runs_it_finds_and_lists_the_rest(tmp_path, capsys):
+    from megatron_gspo.cli.main import main
+
+    for seed in (1, 2):
+        _fake_run(tmp_path / "gspo" / f"seed{seed}", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.03] * 6, [(0, 0.2), (6, 0.4)])
+    _fake_run(tmp_path / "grpo" / "seed1", [0.4] * 10 + [0.0] * 10, [0.05] * 20, [(0, 0.2), (20, 0.0)])
+    (tmp_path / "grpo" / "seed2").mkdir()  # a job still running: no summary.json yet
+    _fake_run(tmp_path / "notes" / "seed1", [0.1] * 6, [0.0] * 6, [(0, 0.1), (6, 0.1)])  # not a variant
+    assert main(["stability", "--report-only", "--out", str(tmp_path)]) == 0  # report_from_runs, printed
+    report = (tmp_path / "report.md").read_text()
+    assert capsys.readouterr().out.strip() == report.strip()
+    assert "Report of 3 finished run(s)" in report
+    assert "Not reported (unfinished or not a variant): grpo/seed2, notes/seed1." in report
+    assert "| gspo | 2 | 0/2 |" in report and "| grpo | 1 | 1/1 |" in report
+    assert "| grpo | 1 | collapsed@13 (reward) |" in report
+
+
+def test_report_only_without_runs_is_one_line(tmp_path, capsys):
+    from megatron_gspo.cli.main import main
+
+    (tmp_path / "empty").mkdir()
+    assert main(["stability", "--report-only", "--out", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no finished run under" in err[0] and str(tmp_path / "empty") in err[0]
+    assert main(["stability", "--report-only", "--out", str(tmp_path / "missing")]) == 2
+    assert "is not a directory of stability runs" in capsys.readouterr().err

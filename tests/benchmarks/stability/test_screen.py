@@ -44,7 +44,7 @@ def test_driver_knobs_reach_the_config():
     assert both.model.dtype == "bf16" and both.rollout.local.backend == "hf"
     assert cfg("pi_old_engine_bf16").rollout.old_logprobs == "engine"
     assert cfg("k16").trainer.minibatches == 16 and cfg("k16").optim.warmup_steps == 16
-    assert cfg("lr_6e-4").optim.lr == 6e-4
+    assert cfg("lr_6e-4").optim.lr == 6e-4 and cfg("lr_3.75e-4").optim.lr == 3.75e-4
     assert cfg("aux_off").model.model_config().router_aux_loss_coef == 0
     assert cfg("top2").model.model_config().num_experts_per_tok == 2
     long = cfg("long_answers")
@@ -227,10 +227,19 @@ def test_stability_cell_option_puts_the_cells_overrides_before_the_users(monkeyp
     # Stands in for the benchmark's runs (minutes of training each; a real two-step benchmark is
     # tests/benchmarks/stability/test_benchmark.py): this test is only about the order of the overrides it gets.
     def fake_run_stability(config, overrides, out, variants, **kwargs):
-        seen.update(config=config, overrides=overrides)
+        seen.update(config=config, overrides=overrides, note=kwargs.get("note"))
         return benchmark.BenchmarkResult(report=tmp_path / "none.md")
 
     monkeypatch.setattr(benchmark, "run_stability", fake_run_stability)
-    assert main(["stability", "--cell", "engine_bf16+k8", "--out", str(tmp_path), "optim.lr=1e-4"]) == 0
-    assert seen["overrides"] == [*cell_overrides("engine_bf16+k8"), "optim.lr=1e-4"]
-    assert seen["config"].endswith("stability_moe.yaml")
+    assert main(["stability", "--cell", "k8", "--out", str(tmp_path), "optim.lr=1e-4"]) == 0
+    assert seen["overrides"] == [*cell_overrides("k8"), "optim.lr=1e-4"]
+    assert seen["config"].endswith("stability_moe.yaml") and seen["note"] is None
+    # No --cell on the CPU preset: the map's most discriminating cell, at the steps it was measured with, labelled.
+    assert main(["stability", "--out", str(tmp_path), "optim.lr=1e-4"]) == 0
+    assert seen["overrides"] == [*cell_overrides("engine_bf16+k8"), "trainer.steps=20", "optim.lr=1e-4"]
+    assert "most discriminating setting the CPU map found" in seen["note"] and "short of issue 29's bar" in seen["note"]
+    assert main(["stability", "--cell", "baseline", "--out", str(tmp_path)]) == 0
+    assert seen["overrides"] == [] and seen["note"] is None
+    # A config of the user's own gets no cell unless asked for.
+    assert main(["stability", "--config", seen["config"], "--out", str(tmp_path)]) == 0
+    assert seen["overrides"] == [] and seen["note"] is None
