@@ -86,7 +86,12 @@ class ExpertLoop(SequentialMLP):
         registers a forward pre-hook on every module to finish its bucket's parameter all-gather (and start the
         next) in forward order; skipping the per-expert module calls would skip those hooks and break the
         gather order (`assert self.param_gather_handle is None` in param_and_grad_buffer.start_param_sync)."""
-        return any(m._forward_pre_hooks or m._forward_hooks for e in self.local_experts for m in e.modules())
+        # The hooks are looked at on every forward (DDP registers them after the model is built), the module
+        # tree once: the recursive walk over every expert's modules cost more than the check.
+        modules = self.__dict__.get("_expert_submodules")
+        if modules is None:
+            modules = self.__dict__["_expert_submodules"] = tuple(m for e in self.local_experts for m in e.modules())
+        return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self._lean():

@@ -9,8 +9,9 @@ megatron bug is not about the CPU but about transformer-engine being absent (a G
 fix, `apply_without_te()`, is applied on every machine by `parallel.initialize`, under the same version check (with
 a second one of that kind: the distributed optimizer's checkpoint load into torch's Adam).
 
-Mechanism: megatron-core's own modules get a module-scoped stand-in for `torch` (`_CpuTorch`) whose tensor
-factories and `torch.cuda` namespace map CUDA onto the CPU. Code outside megatron-core (ours, torch itself,
+Mechanism: megatron-core's own modules get a module-scoped stand-in for `torch` (`_CpuTorch`, in cpu_stand_ins.py)
+whose tensor factories and `torch.cuda` namespace map CUDA onto the CPU, and whose `torch.distributed` does a
+collective over a one-rank group without gloo (`_CpuDistributed`). Code outside megatron-core (ours, torch itself,
 user code) is untouched. A handful of functions that cannot be fixed that way are replaced one by one.
 """
 
@@ -21,10 +22,10 @@ import functools
 import importlib
 import logging
 import sys
-import types
-from typing import Any
 
 import torch
+
+from megatron_gspo.parallel.cpu_stand_ins import _CpuDistributed, _CpuTorch
 
 log = logging.getLogger(__name__)
 
@@ -76,217 +77,7 @@ _MODULES = (
     "megatron.core.dist_checkpointing.exchange_utils",
 )
 
-_FACTORIES = frozenset(
-    {
-        "empty",
-        "zeros",
-        "ones",
-        "full",
-        "tensor",
-        "arange",
-        "randn",
-        "rand",
-        "randint",
-        "randperm",
-        "empty_like",
-        "zeros_like",
-        "ones_like",
-        "full_like",
-        "empty_strided",
-        "as_tensor",
-        "linspace",
-        "eye",
-    }
-)
-
 _applied = False
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # a bare integer device index means a CUDA device to torch
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return False
-
-
-def _to_cpu_kwargs(kwargs: dict) -> dict:
-    if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-        kwargs["device"] = "cpu"
-    if kwargs.get("pin_memory"):
-        # Pinned host memory needs a CUDA driver; plain host memory is what the CPU path uses anyway.
-        kwargs["pin_memory"] = False
-    return kwargs
-
-
-def _redirect_factory(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return fn(*args, **_to_cpu_kwargs(kwargs))
-
-    return wrapper
-
-
-def _device(*args, **kwargs):
-    # torch.device("cuda"), torch.device("cuda", 0), torch.device(0) -> the CPU.
-    if args and (_is_cuda_device(args[0]) or args[0] == "cuda"):
-        return torch.device("cpu")
-    return torch.device(*args, **kwargs)
-
-
-def _autocast(device_type: str = "cpu", *args, **kwargs):
-    # megatron's schedules autocast with device_type "cuda"; bf16 autocast exists on the CPU too.
-    return torch.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
-
-
-class _Stream:
-    """Stand-in for torch.cuda.Stream: CPU ops run in program order, so waits and records are no-ops."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        pass
-
-    def wait_event(self, *args, **kwargs):
-        pass
-
-    def record_event(self, *args, **kwargs):
-        return _Event()
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _Event(_Stream):
-    def record(self, *args, **kwargs):
-        pass
-
-    def elapsed_time(self, *args, **kwargs):
-        return 0.0
-
-
-class _CpuCuda(types.SimpleNamespace):
-    """Stand-in for `torch.cuda` inside megatron-core: the CPU is device 'cpu', streams are synchronous."""
-
-    def __init__(self, real):
-        super().__init__()
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    # Device queries: tensors created with device=torch.cuda.current_device() land on the CPU.
-    @staticmethod
-    def current_device():
-        return "cpu"
-
-    @staticmethod
-    def device_count():
-        return 1
-
-    @staticmethod
-    def is_available():
-        return False
-
-    @staticmethod
-    def set_device(*args, **kwargs):
-        pass
-
-    # Streams and events: CPU execution is already ordered.
-    Stream = _Stream
-    Event = _Event
-
-    @staticmethod
-    def current_stream(*args, **kwargs):
-        return _Stream()
-
-    @staticmethod
-    def default_stream(*args, **kwargs):
-        return _Stream()
-
-    @staticmethod
-    def stream(*args, **kwargs):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def synchronize(*args, **kwargs):
-        pass
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-    # Memory statistics are reported by megatron's logging helpers; there is no device memory to report.
-    @staticmethod
-    def memory_allocated(*args, **kwargs):
-        return 0
-
-    @staticmethod
-    def max_memory_allocated(*args, **kwargs):
-        return 0
-
-    @staticmethod
-    def memory_reserved(*args, **kwargs):
-        return 0
-
-    @staticmethod
-    def max_memory_reserved(*args, **kwargs):
-        return 0
-
-    # RNG: the "CUDA" generator of the CPU path is the CPU default generator.
-    @staticmethod
-    def manual_seed(seed):
-        torch.manual_seed(seed)
-
-    @staticmethod
-    def manual_seed_all(seed):
-        torch.manual_seed(seed)
-
-    @staticmethod
-    def get_rng_state(*args, **kwargs):
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(state, *args, **kwargs):
-        torch.set_rng_state(state)
-
-    class nvtx:  # noqa: N801 - mirrors torch.cuda.nvtx
-        @staticmethod
-        def range_push(*args, **kwargs):
-            pass
-
-        @staticmethod
-        def range_pop(*args, **kwargs):
-            pass
-
-        @staticmethod
-        def range(*args, **kwargs):
-            return contextlib.nullcontext()
-
-
-class _CpuTorch(types.ModuleType):
-    """Module-scoped stand-in for `torch` inside megatron-core: CUDA devices become the CPU."""
-
-    def __init__(self, real):
-        super().__init__("torch")
-        self._real = real
-        self.cuda = _CpuCuda(real.cuda)
-        self.device = _device
-        self.autocast = _autocast
-
-    def __getattr__(self, name):
-        value = getattr(self._real, name)
-        if name in _FACTORIES:
-            value = _redirect_factory(value)
-        # Cache so later lookups skip __getattr__ (megatron touches torch.* in hot loops).
-        object.__setattr__(self, name, value)
-        return value
 
 
 def _cpu_rng_tracker_add(self, name, seed):
@@ -423,6 +214,9 @@ def apply(force: bool = False) -> bool:
 
     apply_without_te()  # the CPU never has transformer-engine
 
+    _patch_one_rank_grad_buffer()
+    _patch_reset_temporary_tensors()
+
     # bf16 / fp16 mixed precision (Float16OptimizerWithFloat16Params: fp32 main params and grads): its constructor
     # sorts parameters by their CUDA tensor-type name and raises TypeError for CPU ones; gradient clipping asserts
     # `grad.type() == 'torch.cuda.FloatTensor'`. Both run unchanged with those names answered for the tensors they
@@ -532,16 +326,33 @@ def _patch_thd_rope() -> bool:
     if hasattr(original, "__wrapped_for_cpu__"):
         return False
 
+    # The positions of the last `cu_seqlens` seen: queries and keys of every layer of one packed forward share
+    # that tensor, so they are computed (and `cu_seqlens[-1]` read to the host) once per forward, not twice per
+    # layer. Keyed by the tensor object and its version counter (an in-place change invalidates the entry).
+    last: dict = {}
+
+    def positions_of(cu_seqlens, total):
+        key = (cu_seqlens, cu_seqlens._version, total)
+        if last.get("key") is not None and last["key"][0] is cu_seqlens and last["key"][1:] == key[1:]:
+            return last["positions"]
+        if int(cu_seqlens[-1]) != total:
+            positions = None
+        else:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
+            positions = torch.arange(total, device=cu_seqlens.device) - starts
+        last.update(key=key, positions=positions)
+        return positions
+
     @functools.wraps(original)
     def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
             cp_group=None):
         total = t.shape[0]
-        if (cp_group is None or cp_group.size() != 1 or freqs.dim() < 1 or freqs.size(0) == total
-                or int(cu_seqlens[-1]) != total):
+        if cp_group is None or cp_group.size() != 1 or freqs.dim() < 1 or freqs.size(0) == total:
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
-        positions = torch.arange(total, device=t.device) - starts
+        positions = positions_of(cu_seqlens, total)
+        if positions is None or positions.device != t.device:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale,
@@ -550,6 +361,42 @@ def _patch_thd_rope() -> bool:
     thd.__wrapped_for_cpu__ = original
     rope_utils._apply_rotary_pos_emb_thd = thd
     return True
+
+
+def _patch_one_rank_grad_buffer() -> None:
+    """megatron's grad buffers bound torch's `_coalescing_manager`, `all_gather_into_tensor` and
+    `reduce_scatter_tensor` at import, before the stand-in `torch`: they get the stand-in's one-rank shortcuts
+    (`_CpuDistributed`). A buffer that switched to its fp32-accumulating reduce-scatter keeps it."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    real = torch.distributed
+    shims = _CpuDistributed(real)
+    if pgb._coalescing_manager is real._coalescing_manager:
+        pgb._coalescing_manager = shims._coalescing_manager
+    if pgb.dist_all_gather_func is real.all_gather_into_tensor:
+        pgb.dist_all_gather_func = shims.all_gather_into_tensor
+    if pgb.dist_reduce_scatter_func is real.reduce_scatter_tensor:
+        pgb.dist_reduce_scatter_func = shims.reduce_scatter_tensor
+
+
+def _patch_reset_temporary_tensors() -> None:
+    """`finalize_model_grads` calls `reset_model_temporary_tensors` after every backward: a walk over every module
+    of every chunk (~200 on the tiny model) whose body acts only with a router expert bias or the global aux loss.
+    Without either the walk does nothing, so it is skipped; with either it runs unchanged."""
+    # the package exports the function under the module's name: the module itself comes from sys.modules
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = fmg.reset_model_temporary_tensors
+    if hasattr(original, "__wrapped_for_cpu__"):
+        return
+
+    @functools.wraps(original)
+    def reset(config, model):
+        if config.moe_router_enable_expert_bias or "global_aux_loss" in (config.moe_router_load_balancing_type or ""):
+            return original(config, model)
+        return None
+
+    reset.__wrapped_for_cpu__ = original
+    fmg.reset_model_temporary_tensors = reset
 
 
 def _redirect_loaded_modules() -> None:

@@ -37,6 +37,7 @@ from megatron_gspo.lifecycle.run_dir import check_new_run_dir, check_resume_conf
 from megatron_gspo.lifecycle.signals import StopSignals
 from megatron_gspo.lifecycle.watchdog import PhaseWatchdog
 from megatron_gspo.metrics.log import MetricsLogger, reduce_step_metrics
+from megatron_gspo.models.modes import set_training
 from megatron_gspo.moe import MoEConfig
 from megatron_gspo.rewards.registry import RewardScorer
 from megatron_gspo.rollout.multiturn import make_multiturn, trajectory_stats, turn_token_advantages
@@ -315,14 +316,14 @@ class GSPOTrainer:
         )
         seq_length, mbs = schedule_shape(micro)
         for m in self.rt.chunks:
-            m.eval()
+            set_training(m, False)
         try:
             outs = forward_backward(
                 self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs, forward_only=True
             )
         finally:
             for m in self.rt.chunks:
-                m.train()
+                set_training(m, True)
         # Non-last stages receive the result into a buffer on the device (the broadcast is an NCCL collective).
         result = torch.zeros(batch.num_sequences, self.rt.seq_len, dtype=torch.float32, device=self.rt.device)
         if is_last_stage():

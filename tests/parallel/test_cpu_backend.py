@@ -171,6 +171,12 @@ def _thd_rope_both_ways():
                 (y * up).sum().backward()
                 results.append((y.detach(), x.grad))
             out["cases"].append(results)
+        # the same cu_seqlens tensor changed in place (same total): the patch's positions follow it
+        cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+        t = torch.randn(18, 4, 16, generator=g)
+        patched(t, cu, freqs, cp_group=cp)
+        cu.copy_(torch.tensor([0, 2, 12, 13, 18], dtype=torch.int32))
+        out["in_place"] = (patched(t, cu, freqs, cp_group=cp), original(t, cu, freqs, cp_group=cp))
         # freqs over every packed position (megatron's CASE 1) is not the patch's case: megatron's own result
         full = torch.randn(6, 1, 1, 16, generator=g)
         t = torch.randn(6, 4, 16, generator=g)
@@ -188,3 +194,127 @@ def test_packed_rope_without_the_per_sequence_loop_is_megatrons_bit_for_bit():
         assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
         assert gx_ref.abs().max() > 0
     assert torch.equal(*out["case1"])
+    assert torch.equal(*out["in_place"])
+
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "_coalescing_manager")
+
+
+def _one_rank_collectives_both_ways():
+    """Two distributed-optimizer AdamW steps of the tiny model at DP = TP = PP = 1, with megatron's collectives
+    over one-rank groups short-circuited (the patch) and with every one of them handed to gloo (the patch undone
+    in this process: megatron's modules get torch.distributed back). gloo's calls are counted in both."""
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    from megatron_gspo.parallel import cpu_backend as cb
+    from megatron_gspo.parallel import cpu_stand_ins
+    from tests.training.distributed_optimizer_ranks import adam_steps
+
+    assert cb.apply() is True
+    calls: list[str] = []
+    real = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            # megatron's own calls (through the shim when it hands a call on); ours and the test's are not counted
+            frame = sys._getframe(1)
+            if frame.f_globals.get("__name__") == cpu_stand_ins.__name__:
+                frame = frame.f_back
+            if frame.f_globals.get("__name__", "").startswith("megatron.core"):
+                calls.append(name)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, counted(name))
+    out = {"is_patched": pgb.dist_reduce_scatter_func is not real["reduce_scatter_tensor"]}
+    try:
+        out["patched"] = adam_steps({}, ["fp32"], distributed=True)["fp32"]
+        out["patched_calls"] = list(calls)
+        calls.clear()
+        stand_ins = [m.torch for n, m in sys.modules.items()
+                     if n.startswith("megatron.core") and isinstance(getattr(m, "torch", None), cb._CpuTorch)]
+        shims = {s: s.distributed for s in stand_ins}
+        kept = (pgb._coalescing_manager, pgb.dist_all_gather_func, pgb.dist_reduce_scatter_func)
+        for s in stand_ins:
+            object.__setattr__(s, "distributed", dist)
+        pgb._coalescing_manager = dist._coalescing_manager
+        pgb.dist_all_gather_func, pgb.dist_reduce_scatter_func = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        try:
+            out["gloo"] = adam_steps({}, ["fp32"], distributed=True)["fp32"]
+        finally:
+            for s, d in shims.items():
+                object.__setattr__(s, "distributed", d)
+            pgb._coalescing_manager, pgb.dist_all_gather_func, pgb.dist_reduce_scatter_func = kept
+        out["gloo_calls"] = list(calls)
+    finally:
+        for name in _COLLECTIVES:
+            setattr(dist, name, real[name])
+    return out
+
+
+def test_one_rank_collectives_skip_gloo_and_change_nothing():
+    out = run_distributed(_one_rank_collectives_both_ways, world_size=1)[0]
+    assert out["is_patched"]
+    # none of megatron's collectives reaches gloo with the patch ...
+    assert out["patched_calls"] == []
+    # ... its reduce-scatter, all-gather, token-count and grad-norm collectives all do without it
+    gloo = out["gloo_calls"]
+    assert {"reduce_scatter_tensor", "all_gather_into_tensor", "_coalescing_manager", "all_reduce"} <= set(gloo), gloo
+    a, b = out["patched"], out["gloo"]
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert a["weights"].keys() == b["weights"].keys()
+    for k in a["weights"]:
+        assert torch.equal(a["weights"][k], b["weights"][k]), k
+    assert all(n > 0 for n in a["grad_norm"])  # real gradients: the steps moved the weights
+
+
+def _reset_walk_both_ways():
+    """megatron's reset_model_temporary_tensors after apply(): with the global aux loss its walk resets the
+    trackers; without it (and without an expert bias) the walk, which would do nothing, does not happen."""
+    from types import SimpleNamespace
+
+    import importlib
+
+    from megatron_gspo.parallel import cpu_backend as cb
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    assert cb.apply() is True
+    resets, walks = [], []
+
+    class Tracker(torch.nn.Module):
+        def reset_global_aux_loss_tracker(self):
+            resets.append(1)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tracker = Tracker()
+
+        def modules(self):
+            walks.append(1)
+            return super().modules()
+
+    out = {"is_patched": hasattr(fmg.reset_model_temporary_tensors, "__wrapped_for_cpu__")}
+    for kind, bias in (("global_aux_loss", False), (["seq_aux_loss", "global_aux_loss"], False), ("aux_loss", True),
+                       ("aux_loss", False)):
+        resets.clear()
+        walks.clear()
+        config = SimpleNamespace(moe_router_enable_expert_bias=bias, moe_router_load_balancing_type=kind)
+        fmg.reset_model_temporary_tensors(config, [Chunk()])
+        out[str(kind), bias] = (len(walks), len(resets))
+    return out
+
+
+def test_reset_of_temporary_tensors_walks_only_when_it_resets_something():
+    out = run_distributed(_reset_walk_both_ways, world_size=1)[0]
+    assert out["is_patched"]
+    assert out["global_aux_loss", False] == (1, 1)
+    assert out[str(["seq_aux_loss", "global_aux_loss"]), False] == (1, 1)
+    assert out["aux_loss", True] == (1, 0)  # an expert bias: megatron walks (no module here has one)
+    assert out["aux_loss", False] == (0, 0)

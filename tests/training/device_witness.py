@@ -46,7 +46,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 _OURS = (os.path.join(_ROOT, "megatron_gspo") + os.sep, os.path.join(_ROOT, "tests") + os.sep)
 # Frames that are plumbing, not callers: torch itself, this file, and the CPU backend's factory redirect (megatron
 # asked for a CUDA tensor there).
-_PLUMBING = (_TORCH_DIR, os.path.abspath(__file__), os.path.join(_ROOT, "megatron_gspo", "parallel", "cpu_backend.py"))
+_PLUMBING = (_TORCH_DIR, os.path.abspath(__file__),
+             *(os.path.join(_ROOT, "megatron_gspo", "parallel", f) for f in ("cpu_backend.py", "cpu_stand_ins.py")))
 
 _T = torch.Tensor
 _FACTORIES = {

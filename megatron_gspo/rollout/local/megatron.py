@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_gspo.models.modes import set_training
+
 
 def router_topk_ids(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, topk: int) -> torch.Tensor:
     """[tokens, topk] int64 expert ids selected by `routing_map`, ordered by probability (descending)."""
@@ -49,7 +51,7 @@ def inference_mode(model) -> Iterator[None]:
     was_training = model.training
     replays = [r.router_replay for r in moe_routers(model) if getattr(r, "router_replay", None) is not None]
     actions = [r.router_replay_action for r in replays]
-    model.eval()
+    set_training(model, False)
     for r in replays:
         r.router_replay_action = None
     try:
@@ -58,7 +60,7 @@ def inference_mode(model) -> Iterator[None]:
     finally:
         for r, a in zip(replays, actions):
             r.router_replay_action = a
-        model.train(was_training)
+        set_training(model, was_training)
 
 
 class MegatronStepper:
