@@ -141,9 +141,10 @@ def produce_batch(trainer, scorer, scoring: threading.Lock, stopped: threading.E
     producer is `stopped` the batch would be dropped: it is not scored (the scorer may be closed by then)."""
     mine = trainer.rt.shard(items)
     rollouts = trainer.generate(mine, trainer.cfg.trainer.seed * 1_000_003 + index)
-    if stopped.is_set():
-        return [], {"reward_errors": 0.0, "window": (0, 0, None)}
     with scoring:
+        # Checked under the lock: a thread that waited for it (another was scoring) may find close() ran meanwhile.
+        if stopped.is_set():
+            return [], {"reward_errors": 0.0, "window": (0, 0, None)}
         rewards = trainer.score(mine, rollouts, scorer)
         errors = float(scorer.last_metrics.get("reward_errors", 0.0))
         window = scorer.take_window()
