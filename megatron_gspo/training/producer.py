@@ -262,7 +262,8 @@ class RolloutProducer:
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the training stage, which raises it
             with self._cond:
-                self._error = e
+                if self._error is None:  # the first failure is the cause; later calls may fail from it
+                    self._error = e
                 self._cond.notify_all()
 
     def _alive(self) -> bool:

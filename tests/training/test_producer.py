@@ -356,3 +356,22 @@ def test_a_call_that_waited_for_the_scoring_lock_while_the_producer_closed_does_
     scoring.lock.release()
     call.join(5)
     assert scored == [] and out == [([], {"reward_errors": 0.0, "window": (0, 0, None)})]
+
+
+def test_the_first_error_of_several_calls_reaches_the_training_stage():
+    first_failed = threading.Event()
+
+    def failing(index, items):
+        if index == 0:
+            first_failed.set()
+            raise ConnectionError("server gone at batch 0")
+        assert first_failed.wait(5)
+        time.sleep(0.05)  # batch 0's error is recorded by now
+        raise RuntimeError(f"batch {index} failed after the first")
+
+    producer = RolloutProducer(failing, PromptSampler(DATA, 4, seed=3), first=0, version=0, lookahead=2,
+                               immediate_sync=True, calls=2)
+    _wait_for(lambda: not producer._alive())
+    with pytest.raises(ConnectionError, match="server gone at batch 0"):
+        producer.batch(0)
+    producer.close()
