@@ -348,8 +348,9 @@ class RolloutProducer:
             generating = self._generating
             self._cond.notify_all()
         if not generating:
+            deadline = time.monotonic() + self.close_timeout_s  # one wait for all threads, not one each
             for thread in self._threads:
-                thread.join(timeout=self.close_timeout_s)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class AheadStage:

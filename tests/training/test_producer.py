@@ -375,3 +375,23 @@ def test_the_first_error_of_several_calls_reaches_the_training_stage():
     with pytest.raises(ConnectionError, match="server gone at batch 0"):
         producer.batch(0)
     producer.close()
+
+
+def test_close_waits_close_timeout_s_for_all_threads_together():
+    engine = Engine()
+    producer = _producer(engine, 2, immediate_sync=True, calls=3, close_timeout_s=0.2)
+    _wait_for(lambda: len(engine.started) == 3 and producer._generating == 0)  # idle: close joins the threads
+    waits: list[float] = []
+
+    class Stuck:
+        """A producer thread that does not end within the time it is given."""
+
+        def join(self, timeout=None):
+            waits.append(timeout)
+            time.sleep(timeout)
+
+    real, producer._threads = producer._threads, [Stuck(), Stuck(), Stuck()]
+    producer.close()
+    for thread in real:
+        thread.join(5)
+    assert waits[0] == pytest.approx(0.2, abs=0.05) and sum(waits) <= 0.25, waits
