@@ -142,7 +142,7 @@ def produce_batch(trainer, scorer, scoring: threading.Lock, stopped: threading.E
     mine = trainer.rt.shard(items)
     rollouts = trainer.generate(mine, trainer.cfg.trainer.seed * 1_000_003 + index)
     with scoring:
-        # Checked under the lock: a thread that waited for it (another was scoring) may find close() ran meanwhile.
+        # Checked under the lock: a thread that waited for it (another was scoring) may find close() ran.
         if stopped.is_set():
             return [], {"reward_errors": 0.0, "window": (0, 0, None)}
         rewards = trainer.score(mine, rollouts, scorer)

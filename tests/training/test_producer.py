@@ -349,7 +349,9 @@ def test_a_call_that_waited_for_the_scoring_lock_while_the_producer_closed_does_
     )
     scoring, stopped, out = Scoring(), threading.Event(), []
     scoring.lock.acquire()  # another call is scoring
-    call = threading.Thread(target=lambda: out.append(produce_batch(trainer, None, scoring, stopped, 0, DATA[:4])))
+    call = threading.Thread(
+        target=lambda: out.append(produce_batch(trainer, None, scoring, stopped, 0, DATA[:4]))
+    )
     call.start()
     assert waiting.wait(5)
     stopped.set()  # close() while the call waits for the lock

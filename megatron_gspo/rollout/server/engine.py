@@ -352,9 +352,9 @@ class ServerEngine:
             raise
 
     async def _generate(self, prompts: list[list[int]], sampling: SamplingParams, call: int) -> list[Rollout]:
-        # One limit shared by all calls in flight (async producer): a limit per call would let N calls send N x
-        # max_concurrency requests, whose excess waits for a pooled connection with its timeout running and
-        # takes the connections the client keeps free for control calls. Made here, on the loop that awaits it.
+        # One limit shared by all calls in flight (async producer): a limit per call would let N calls send
+        # N x max_concurrency requests, whose excess waits for a pooled connection with its timeout running
+        # and takes the connections the client keeps free for control calls. Made on the loop that awaits it.
         if self._limit is None:
             self._limit = asyncio.Semaphore(self.config.max_concurrency)
         limit = self._limit

@@ -447,9 +447,9 @@ def test_routes_of_another_threads_running_generate_are_kept(fake):
 
 
 def test_concurrent_generate_calls_share_one_request_limit(fake):
-    """max_concurrency bounds the requests of every `generate` call in flight together (the async producer runs
-    several): a limit per call would exceed it, and the excess would wait for a pooled connection with its request
-    timer running, crowding out the connections kept free for control calls (pause, aborts)."""
+    """max_concurrency bounds the requests of every `generate` call in flight together (the async producer
+    runs several): a limit per call would exceed it, and the excess would wait for a pooled connection with
+    its request timer running, crowding out the connections kept free for control calls (pause, aborts)."""
     import threading
 
     (server,) = fake(1)
