@@ -141,9 +141,10 @@ def produce_batch(trainer, scorer, scoring: threading.Lock, stopped: threading.E
     producer is `stopped` the batch would be dropped: it is not scored (the scorer may be closed by then)."""
     mine = trainer.rt.shard(items)
     rollouts = trainer.generate(mine, trainer.cfg.trainer.seed * 1_000_003 + index)
-    if stopped.is_set():
-        return [], {"reward_errors": 0.0, "window": (0, 0, None)}
     with scoring:
+        # Checked under the lock: a thread that waited for it (another was scoring) may find close() ran.
+        if stopped.is_set():
+            return [], {"reward_errors": 0.0, "window": (0, 0, None)}
         rewards = trainer.score(mine, rollouts, scorer)
         errors = float(scorer.last_metrics.get("reward_errors", 0.0))
         window = scorer.take_window()
@@ -261,7 +262,8 @@ class RolloutProducer:
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the training stage, which raises it
             with self._cond:
-                self._error = e
+                if self._error is None:  # the first failure is the cause; later calls may fail from it
+                    self._error = e
                 self._cond.notify_all()
 
     def _alive(self) -> bool:
@@ -346,8 +348,9 @@ class RolloutProducer:
             generating = self._generating
             self._cond.notify_all()
         if not generating:
+            deadline = time.monotonic() + self.close_timeout_s  # one wait for all threads, not one each
             for thread in self._threads:
-                thread.join(timeout=self.close_timeout_s)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class AheadStage:

@@ -98,6 +98,14 @@ def test_killed_async_run_with_partial_rollouts_resumes_and_the_shared_server_ta
     assert proc.returncode == -signal.SIGKILL
     done = int(latest.read_text().strip().split("_")[1])
     assert server.weight_versions()[0] >= done  # the killed run had pushed its step-`done` weights or later
+    # Two generate calls were in flight: the producer's busy seconds, summed over its calls, exceed the wall
+    # time of the steps they overlapped (one call at a time is busy at most that long). Step 1 has start-up.
+    killed = _rows(run)
+    steps = [s for s in killed if s >= 2]
+    busy = sum(killed[s]["time_producer_busy"] for s in steps)
+    parts = ("time_generate", "time_old_logprobs", "time_update", "time_sync")
+    wall = sum(killed[s][k] for s in steps for k in parts)
+    assert steps and busy > wall, f"one call at a time? busy {busy:.2f} s in {wall:.2f} s of steps {steps}"
 
     res = _train(run, [f"trainer.steps={done + 3}", *attach], resume=True)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import zlib
 from collections import Counter
 
@@ -19,7 +20,7 @@ import torch
 from megatron_gspo.data.dataset import PromptSampler
 from megatron_gspo.data.types import PromptItem
 from megatron_gspo.rollout.types import Rollout
-from megatron_gspo.training.producer import AheadStage, RolloutProducer, scored_groups
+from megatron_gspo.training.producer import AheadStage, RolloutProducer, produce_batch, scored_groups
 from megatron_gspo.training.rollout_buffer import RolloutGroup
 from tests.distributed import run_distributed
 
@@ -320,3 +321,79 @@ def test_closing_while_a_generate_call_is_in_flight_returns_at_once_and_an_evalu
         engine.gate.set()
     producer._threads[0].join(5)
     assert not producer._threads[0].is_alive() and engine.started == [(0, 0)]  # the call's end starts nothing more
+
+
+def test_a_call_that_waited_for_the_scoring_lock_while_the_producer_closed_does_not_score():
+    """The trainer stands in for GSPOTrainer (generate / score are a server engine's and a scorer's; here only
+    the order of close and the scoring lock matters)."""
+    waiting, scored = threading.Event(), []
+
+    class Scoring:
+        """The producer's scoring lock, held by another thread's scoring; says when the call waits for it."""
+
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            waiting.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    trainer = types.SimpleNamespace(
+        rt=types.SimpleNamespace(shard=lambda items: items),
+        cfg=types.SimpleNamespace(trainer=types.SimpleNamespace(seed=1)),
+        generate=lambda items, seed: _rollouts(len(items) * G, 0),
+        score=lambda items, rollouts, scorer: scored.append(items) or _rewards(items),
+    )
+    scoring, stopped, out = Scoring(), threading.Event(), []
+    scoring.lock.acquire()  # another call is scoring
+    call = threading.Thread(
+        target=lambda: out.append(produce_batch(trainer, None, scoring, stopped, 0, DATA[:4]))
+    )
+    call.start()
+    assert waiting.wait(5)
+    stopped.set()  # close() while the call waits for the lock
+    scoring.lock.release()
+    call.join(5)
+    assert scored == [] and out == [([], {"reward_errors": 0.0, "window": (0, 0, None)})]
+
+
+def test_the_first_error_of_several_calls_reaches_the_training_stage():
+    first_failed = threading.Event()
+
+    def failing(index, items):
+        if index == 0:
+            first_failed.set()
+            raise ConnectionError("server gone at batch 0")
+        assert first_failed.wait(5)
+        time.sleep(0.05)  # batch 0's error is recorded by now
+        raise RuntimeError(f"batch {index} failed after the first")
+
+    producer = RolloutProducer(failing, PromptSampler(DATA, 4, seed=3), first=0, version=0, lookahead=2,
+                               immediate_sync=True, calls=2)
+    _wait_for(lambda: not producer._alive())
+    with pytest.raises(ConnectionError, match="server gone at batch 0"):
+        producer.batch(0)
+    producer.close()
+
+
+def test_close_waits_close_timeout_s_for_all_threads_together():
+    engine = Engine()
+    producer = _producer(engine, 2, immediate_sync=True, calls=3, close_timeout_s=0.2)
+    _wait_for(lambda: len(engine.started) == 3 and producer._generating == 0)  # idle: close joins the threads
+    waits: list[float] = []
+
+    class Stuck:
+        """A producer thread that does not end within the time it is given."""
+
+        def join(self, timeout=None):
+            waits.append(timeout)
+            time.sleep(timeout)
+
+    real, producer._threads = producer._threads, [Stuck(), Stuck(), Stuck()]
+    producer.close()
+    for thread in real:
+        thread.join(5)
+    assert waits[0] == pytest.approx(0.2, abs=0.05) and sum(waits) <= 0.25, waits

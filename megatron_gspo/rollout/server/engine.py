@@ -126,6 +126,8 @@ class ServerEngine:
         self._supervisor: ProcessSupervisor | None = None
         self._process_of: dict[str, ManagedProcess] = {}
         self._inflight: dict[str, str] = {}
+        self._limit: asyncio.Semaphore | None = None
+        """Bounds the generation requests of every call together to max_concurrency (created on the loop)."""
         self._run_id = uuid.uuid4().hex[:8]
         self._call_ids = itertools.count(1)
         self._closed = False
@@ -350,7 +352,12 @@ class ServerEngine:
             raise
 
     async def _generate(self, prompts: list[list[int]], sampling: SamplingParams, call: int) -> list[Rollout]:
-        limit = asyncio.Semaphore(self.config.max_concurrency)
+        # One limit shared by all calls in flight (async producer): a limit per call would let N calls send
+        # N x max_concurrency requests, whose excess waits for a pooled connection with its timeout running
+        # and takes the connections the client keeps free for control calls. Made on the loop that awaits it.
+        if self._limit is None:
+            self._limit = asyncio.Semaphore(self.config.max_concurrency)
+        limit = self._limit
         rollouts = await gather_or_cancel(
             *(
                 self._sample(limit, call, p, s, prompt, sampling)

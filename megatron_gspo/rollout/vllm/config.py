@@ -131,6 +131,11 @@ class VLLMConfig(ServerConfig):
             raise ValueError(
                 f"vllm.shm_busy_loop_s={self.shm_busy_loop_s!r} must be seconds >= 0 (null: vLLM's 1 s)"
             )
+        if self.mode == "attach" and self.shm_busy_loop_s is not None:
+            raise ValueError(  # it reaches only launched servers: attached ones would silently keep spinning
+                f"vllm.shm_busy_loop_s={self.shm_busy_loop_s!r} applies only to servers the trainer "
+                "launches: remove it with vllm.mode=attach"
+            )
         check_ints(self, ("max_model_len", "kv_cache_memory_bytes", "seed", "cpu_threads"), minimum=0)
         check_ints(self, ("tp_size",), minimum=1)
         check_port(self, "port_base")

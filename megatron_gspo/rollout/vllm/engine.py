@@ -97,6 +97,11 @@ class VLLMEngine(ServerEngine):
         self._sender: NcclWeightSender | None = None
         super().__init__(config, exporter, **kwargs)
 
+    @classmethod
+    def follower_config(cls, cfg: VLLMConfig, server_urls: list[str], generate_urls: list[str]) -> VLLMConfig:
+        # The leader launched the servers with shm_busy_loop_s; attach mode refuses the launch-only key.
+        return dataclasses.replace(cfg, mode="attach", urls=server_urls, shm_busy_loop_s=None)
+
     # ---------------------------------------------------------------------------------------------- lifecycle
 
     @property

@@ -50,6 +50,7 @@ class FakeVLLM(FakeSGLang):
         if self.routes is not None:
             self.routes[vllm_id] = len(body["token_ids"])  # the prefill's rows, recorded as the request runs
         self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             if self.generate_delay_s:
                 import asyncio

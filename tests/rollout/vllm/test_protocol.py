@@ -444,3 +444,33 @@ def test_routes_of_another_threads_running_generate_are_kept(fake):
         assert server.routes == {}
     finally:
         engine.close()
+
+
+def test_concurrent_generate_calls_share_one_request_limit(fake):
+    """max_concurrency bounds the requests of every `generate` call in flight together (the async producer
+    runs several): a limit per call would exceed it, and the excess would wait for a pooled connection with
+    its request timer running, crowding out the connections kept free for control calls (pause, aborts)."""
+    import threading
+
+    (server,) = fake(1)
+    engine = attach([server], max_concurrency=2)
+    try:
+        server.generate_delay_s = 0.2
+        out: dict = {}
+
+        def produce(name: str, first: int) -> None:
+            try:
+                out[name] = engine.generate([[first + i] for i in range(4)], SamplingParams(max_new_tokens=2))
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                out[f"{name} error"] = e
+
+        calls = [threading.Thread(target=produce, args=(f"call {c}", 10 * c)) for c in (1, 2)]
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join(timeout=30)
+        assert sorted(out) == ["call 1", "call 2"], out
+        assert server.max_in_flight == 2  # both calls filled the limit, together never more
+        assert [len(out[name]) for name in sorted(out)] == [4, 4]
+    finally:
+        engine.close()

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from megatron_gspo.rollout.vllm.config import VLLMConfig
+from megatron_gspo.rollout.vllm.engine import VLLMEngine
 from megatron_gspo.rollout.vllm.launch import server_env
 from megatron_gspo.rollout.vllm.plugin import BUSY_LOOP_ENV
 from tests.rollout.vllm.test_end_to_end import ROOT, VLLM_PYTHON
@@ -82,3 +83,12 @@ def test_the_key_reaches_the_server_environment_only_when_set():
 def test_a_bad_busy_loop_is_refused_naming_the_key(value):
     with pytest.raises(ValueError, match=r"vllm\.shm_busy_loop_s=.* must be seconds >= 0"):
         VLLMConfig(model_path="m", shm_busy_loop_s=value)
+
+
+def test_the_key_is_refused_with_attached_servers_and_dropped_for_followers():
+    with pytest.raises(ValueError, match=r"^vllm\.shm_busy_loop_s=0\.002 applies only to servers the trainer "
+                                         r"launches: remove it with vllm\.mode=attach$"):
+        VLLMConfig(mode="attach", urls=["http://127.0.0.1:1"], shm_busy_loop_s=0.002)
+    leader = VLLMConfig(model_path="m", shm_busy_loop_s=0.002)  # the leader launches the servers with it
+    follower = VLLMEngine.follower_config(leader, ["http://127.0.0.1:1"], ["http://127.0.0.1:1"])
+    assert follower.mode == "attach" and follower.shm_busy_loop_s is None
