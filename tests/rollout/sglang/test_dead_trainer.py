@@ -153,7 +153,7 @@ def test_a_fresh_run_leaves_a_live_runs_sync_alone_and_its_held_group_is_one_lin
         before = [len(s.calls) for s in servers]
         attached: list = []
         second = threading.Thread(target=lambda: attached.append(
-            attach(servers, group_factory=join_gloo_group, weight_sync_timeout_s=20, startup_timeout_s=20)))  # fmt: skip
+            attach(servers, group_factory=join_gloo_group, weight_sync_timeout_s=2, startup_timeout_s=20)))  # fmt: skip
         second.start()
         deadline = time.monotonic() + 20
         while not all(s.calls[n:] for s, n in zip(servers, before)) and time.monotonic() < deadline:
@@ -179,6 +179,7 @@ def test_a_fresh_run_leaves_a_live_runs_sync_alone_and_its_held_group_is_one_lin
     assert "restart the SGLang servers" in message and "--resume" in message
     live.push_weights(iter(weights), version=4)  # the live run's group still works
     assert all(s.weight_version == "4" for s in servers)
+    time.sleep(2.5)  # the refused run's own join (a daemon thread) gives up its rendezvous: not at interpreter exit
 
 
 def test_a_resume_on_a_busy_unpaused_server_takes_no_writer_lock(fake_servers, attach):
@@ -259,3 +260,27 @@ def test_server_stuck_in_a_dead_trainers_broadcast_is_one_line_not_a_hang(fake_s
 def test_recover_timeout_must_be_positive():
     with pytest.raises(ValueError, match=r"^sglang.recover_timeout_s=0 must be > 0$"):
         SGLangConfig(mode="attach", urls=["http://127.0.0.1:1"], recover_timeout_s=0)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_the_trainer_hands_its_resume_to_the_runtime(monkeypatch, tmp_path, resume):
+    """`train --resume` reaches `Runtime.resume`, which make_sglang_engine reads (the test above). The Runtime is
+    replaced by a recorder that stops the trainer's set-up there: a real one builds the model and the engine."""
+    from megatron_gspo.training import trainer as trainer_module
+    from megatron_gspo.training.config import load_run_config
+
+    class Built(Exception):
+        pass
+
+    seen: dict = {}
+
+    def runtime(*args, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(trainer_module, "Runtime", runtime)
+    monkeypatch.setattr(trainer_module.GSPOTrainer, "_resume_point", lambda self, resume: None)
+    cfg = load_run_config(ROOT / "examples/tiny_moe_gspo.yaml", [f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(Built):
+        trainer_module.GSPOTrainer(cfg, resume=resume)
+    assert seen["resume"] is resume
