@@ -37,8 +37,19 @@ class DataParallelInfo:
 class Runtime:
     """Set-up shared by `train`, `sft` and `eval` (one per process)."""
 
-    def __init__(self, cfg: RunConfig, optim: OptimConfig, total_steps: int, *, routing_replay: bool = False):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        optim: OptimConfig,
+        total_steps: int,
+        *,
+        routing_replay: bool = False,
+        resume: bool = False,
+    ):
         self.cfg = cfg
+        self.resume = resume
+        """The run continues one (--resume) whose trainer may have been killed: the rollout engine undoes what that
+        trainer left on attached servers (rollout/sglang/engine.py `_undo_dead_trainer`)."""
         self.env = initialize(cfg.parallel, seed=cfg.trainer.seed)
         self.model_config = cfg.model.model_config()
         self.dtype = _DTYPES[cfg.model.dtype]

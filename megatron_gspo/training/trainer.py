@@ -74,7 +74,8 @@ class GSPOTrainer:
         resume_point = self._resume_point(resume)
         total_optimizer_steps = t.steps * t.minibatches
         self.moe = MoEConfig.from_dict(cfg.moe)
-        self.rt = Runtime(cfg, cfg.optim, total_optimizer_steps, routing_replay=self.moe.needs_router_replay)
+        self.rt = Runtime(cfg, cfg.optim, total_optimizer_steps, routing_replay=self.moe.needs_router_replay,
+                          resume=resume)
         self.routing = RoutingControl(
             self.moe, self.rt.chunks, self.rt.model_config.num_experts, self.rt.seq_len, cfg.rollout.old_logprobs
         )

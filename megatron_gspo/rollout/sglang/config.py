@@ -63,9 +63,9 @@ class SGLangConfig(ServerConfig):
     group_name: str = "weight_update_group"
     """Distributed mode: name of the trainer + servers weight-update process group (always NCCL)."""
     recover_timeout_s: float = 60.0
-    """Attach mode: how long each server may take to undo what a trainer killed with kill -9 left (its group, its
-    weight-update session, its pause; engine.py `_undo_dead_trainer`) before the run stops, telling to restart the
-    servers: a server that does not answer is stuck in a broadcast from that trainer."""
+    """Attach mode, --resume: how long each server may take to undo what the run's trainer killed with kill -9 left
+    (its group, its weight-update session, its pause; engine.py `_undo_dead_trainer`) before the run stops, telling
+    to restart the servers: a server that does not answer is stuck in a broadcast from that trainer."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -20,9 +20,9 @@ import asyncio
 import dataclasses
 import logging
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_gspo.rollout.server import nccl_versions
 from megatron_gspo.rollout.server.buckets import NamedTensor, iter_buckets
@@ -61,6 +61,8 @@ __all__ = ["SGLangEngine", "SGLangError", "SGLangGenerateError", "StaleWeightsEr
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class SGLangEngine(ServerEngine):
     """RolloutEngine backed by SGLang servers (launched here or attached to)."""
@@ -75,10 +77,14 @@ class SGLangEngine(ServerEngine):
         exporter: Exporter | None = None,
         *,
         group_factory: GroupFactory = join_update_group,
+        resumed: bool = False,
         **kwargs: Any,
     ):
-        """See ServerEngine; `group_factory` joins the distributed weight-update group (replaced in tests)."""
+        """See ServerEngine; `group_factory` joins the distributed weight-update group (replaced in tests);
+        `resumed`: the run continues one whose trainer may have been killed (the trainer's --resume): attaching
+        undoes what it left on the servers (`_undo_dead_trainer`)."""
         self._group_factory = group_factory
+        self._resumed = resumed
         self._group: UpdateGroup | None = None
         self._disk_path: Path | None = None
         self._routing = config.routing
@@ -119,7 +125,7 @@ class SGLangEngine(ServerEngine):
         self._run(self._read_server_info())
 
     def _attach(self) -> None:
-        if self.leader:
+        if self.leader and self._resumed:
             self._run(gather_or_cancel(*(self._undo_dead_trainer(url) for url in self.config.urls)))
         super()._attach()
         cfg = self.config
@@ -131,43 +137,69 @@ class SGLangEngine(ServerEngine):
             self._run(self._read_server_info())
 
     async def _undo_dead_trainer(self, url: str) -> None:
-        """Undoes what a trainer killed with kill -9 (no close) left on an attached server, before the health check.
+        """A resumed run (`resumed`) undoes what its trainer, killed with kill -9 (no close), left on an attached
+        server, before the health check. Only a resume: the servers cannot tell a dead trainer's state from a live
+        one's, and undoing a live run's sync (another run, or a requeued job whose predecessor still lives) would
+        resume its retracted requests on half-loaded weights; a fresh run meets a held group as a one-line error
+        at its first sync (`_held_group`).
 
         Read in SGLang 0.5.23's source: the server keeps the group by name (model_runner_components/
         weight_updater.py:130-139), and a second init of that name fails after the rendezvous (torch's
         `_new_process_group_helper`: "The specified group name has already been created") with 400; a session
         left open refuses /begin_weight_update (scheduler_components/weight_updater.py:311-316); a pause left on
         holds every generation, so /health_generate answers 503 (tokenizer_manager.py:938-939, http_server.py:
-        779-799) until startup_timeout_s. So: destroy our group name (400 "does not exist" when there is none),
-        end the session (400 when none; 404 before 0.5.21), continue. A server that does not answer is stuck in
-        a broadcast from the dead trainer (an update holds the pause lock while its scheduler waits,
-        tokenizer_control_mixin.py:516-520); only NCCL's watchdog ends that (SGLang gives the group torch's
-        30-min default timeout, utils/common.py:2894-2895), so the run stops with one line instead."""
+        779-799) until startup_timeout_s. So, in distributed mode only: destroy our group name (400 "does not
+        exist" when there is none; the destroy asserts dp_size == 1, tokenizer_control_mixin.py:464, a 500 on a
+        DP server that has no group to destroy with disk / shm sync). Then `GET /ready`, 503 exactly when paused or
+        unhealthy (http_server.py:714-718, tokenizer_manager.py:732-734): only then end the session (400 when none;
+        404 before 0.5.21) and continue. Our sessions open only while paused (`_push`), and on an unpaused server
+        /end_weight_update takes the model-update writer lock (tokenizer_control_mixin.py:471-483), which waits
+        for every running generation (each holds the reader lock throughout, tokenizer_manager.py:941) while
+        blocking every new one (utils/aio_rwlock.py:45-47, 59-70): every client would stall. A release without
+        /ready (404, e.g. 0.5.9) gets /continue_generation only, which takes no lock (tokenizer_manager.py:
+        2282-2286). A server that does not answer is stuck in a broadcast from the dead trainer (an update holds
+        the pause lock while its scheduler waits, tokenizer_control_mixin.py:516-520); only NCCL's watchdog ends
+        that (SGLang gives the group torch's 30-min default timeout, utils/common.py:2894-2895), so the run stops
+        with one line instead."""
         cfg = self.config
         await self._healthy(url, "/model_info")  # the HTTP side only: answers while paused or stuck
-        steps = (
-            ("/destroy_weights_update_group", {"group_name": cfg.group_name}, "does not exist"),
-            ("/end_weight_update", {}, "no weight-update session is open"),
-            ("/continue_generation", {}, None),
-        )
-        for path, payload, none_left in steps:
-            try:
-                await self._client.call(url, path, payload, timeout_s=cfg.recover_timeout_s, retries=0)
-            except ServerConnectionError as e:
-                if not e.timed_out:
-                    raise
-                raise SGLangError(
-                    f"SGLang server {url} did not answer {path} within sglang.recover_timeout_s="
-                    f"{cfg.recover_timeout_s:g} s: it is stuck in a weight update from a trainer that died "
-                    "mid-sync (kill -9); restart the SGLang servers (launch/rollout_servers.sbatch), then resume"
-                ) from None
-            except ServerHTTPError as e:
-                if e.status == 404 or (none_left is not None and e.status == 400 and none_left in e.body):
-                    continue  # nothing of that kind was left (404: a release without sessions)
+        if cfg.weight_sync == "distributed":
+            group = {"group_name": cfg.group_name}
+            await self._undo(url, "/destroy_weights_update_group", group, "does not exist")
+        ready = self._client.request_once(url, "/ready", method="GET", timeout_s=cfg.recover_timeout_s)
+        status, _ = await self._recover_step(url, "/ready", ready)
+        if status == 404:
+            await self._undo(url, "/continue_generation", {}, None)
+        elif status == 503:
+            await self._undo(url, "/end_weight_update", {}, "no weight-update session is open")
+            await self._undo(url, "/continue_generation", {}, None)
+
+    async def _undo(self, url: str, path: str, payload: dict, none_left: str | None) -> None:
+        """One step of `_undo_dead_trainer`; 404 (a release without the endpoint) or 400 naming `none_left`:
+        nothing of that kind was left."""
+        cfg = self.config
+        call = self._client.call(url, path, payload, timeout_s=cfg.recover_timeout_s, retries=0)
+        try:
+            await self._recover_step(url, path, call)
+        except ServerHTTPError as e:
+            if e.status == 404 or (none_left is not None and e.status == 400 and none_left in e.body):
+                return
+            raise
+        if path != "/continue_generation":
+            logger.warning("SGLang server %s: %s undid what a trainer that died left", url, path)
+
+    async def _recover_step(self, url: str, path: str, call: Awaitable[T]) -> T:
+        """`call` (made with timeout_s=recover_timeout_s); no answer in time is one line saying to restart."""
+        try:
+            return await call
+        except ServerConnectionError as e:
+            if not e.timed_out:
                 raise
-            else:
-                if path != "/continue_generation":
-                    logger.warning("SGLang server %s: %s undid what a trainer that died left", url, path)
+            raise SGLangError(
+                f"SGLang server {url} did not answer {path} within sglang.recover_timeout_s="
+                f"{self.config.recover_timeout_s:g} s: it is stuck in a weight update from a trainer that died "
+                "mid-sync (kill -9); restart the SGLang servers (launch/rollout_servers.sbatch), then resume"
+            ) from None
 
     async def _read_server_info(self) -> None:
         """`GET /server_info` of every server: its release picks the protocol; what it cannot serve is refused."""
@@ -287,16 +319,21 @@ class SGLangEngine(ServerEngine):
                 # Both sides' NCCL before anything joins (rollout/server/nccl_versions.py): one line, not a hang.
                 await asyncio.to_thread(nccl_versions.preflight, cfg, setting="sglang.weight_sync=distributed",
                                         file_transports="sglang.weight_sync=disk (or shm)")
-                self._group = await init_update_group(
-                    self._post_once,
-                    urls,
-                    factory=self._group_factory,
-                    master_address=cfg.master_address,
-                    master_port=cfg.master_port,
-                    gpus_per_server=cfg.tp_size,
-                    group_name=cfg.group_name,
-                    timeout_s=cfg.weight_sync_timeout_s,
-                )
+                try:
+                    self._group = await init_update_group(
+                        self._post_once,
+                        urls,
+                        factory=self._group_factory,
+                        master_address=cfg.master_address,
+                        master_port=cfg.master_port,
+                        gpus_per_server=cfg.tp_size,
+                        group_name=cfg.group_name,
+                        timeout_s=cfg.weight_sync_timeout_s,
+                    )
+                except ServerHTTPError as e:
+                    if e.status == 400 and "already been created" in e.body:
+                        raise self._held_group(e.url) from None
+                    raise
             sessions = [u for u, info in self.server_info.items() if info.weight_update_session]
             await push_distributed(
                 self._post_once,
@@ -309,6 +346,16 @@ class SGLangEngine(ServerEngine):
             )
         await asyncio.gather(*(self._flush_cache(u) for u in urls))
         await self._call_all("/continue_generation", {})
+
+    def _held_group(self, url: str) -> SGLangError:
+        """A server refused our group name as held (model_runner_components/weight_updater.py:130-139 in 0.5.23):
+        another trainer's group, live or killed with kill -9, which only a resumed run may destroy."""
+        name = self.config.group_name
+        return SGLangError(
+            f"SGLang server {url} already holds the weight-update group {name!r} (sglang.group_name) of another "
+            "trainer, live or killed with kill -9: restart the SGLang servers (launch/rollout_servers.sbatch), or "
+            "run with --resume if that trainer was this run's (the resumed run destroys its group first)"
+        )
 
     async def _after_failed_push(self) -> None:
         if self._group is not None:
@@ -360,7 +407,10 @@ def make_sglang_engine(runtime: Any, *, exporter: Exporter | None = None) -> SGL
     """The engine of a training run with rollout.engine=sglang, on every trainer rank (server/factory.py).
 
     `runtime` provides `cfg.sglang` (the options of SGLangConfig), `model_config` (fills the routing shape
-    when return_routed_experts is set) and `dtype` (of the exported weights).
+    when return_routed_experts is set), `dtype` (of the exported weights) and `resume` (the trainer's --resume:
+    attaching undoes what the killed trainer of this run left, `SGLangEngine._undo_dead_trainer`).
     """
     cfg = SGLangConfig.from_run_config(runtime.cfg.sglang, runtime.model_config)
-    return make_server_engine(SGLangEngine, cfg, runtime, exporter=exporter)  # type: ignore[return-value]
+    resumed = bool(getattr(runtime, "resume", False))
+    engine = make_server_engine(SGLangEngine, cfg, runtime, exporter=exporter, resumed=resumed)
+    return engine  # type: ignore[return-value]

@@ -27,14 +27,19 @@ def fake_servers() -> Iterator[Callable[..., list[FakeSGLang]]]:
 
 @pytest.fixture
 def attach() -> Iterator[Callable[..., SGLangEngine]]:
-    """attach(servers, exporter=None, **config) -> attach-mode engine (fast retries), closed at teardown."""
+    """attach(servers, exporter=None, group_factory=None, resumed=False, **config) -> attach-mode engine (fast
+    retries), closed at teardown."""
     engines: list[SGLangEngine] = []
 
-    def make(servers: list[FakeSGLang], exporter=None, group_factory=None, **overrides) -> SGLangEngine:
+    def make(
+        servers: list[FakeSGLang], exporter=None, group_factory=None, resumed=False, **overrides
+    ) -> SGLangEngine:
         urls = [s.url for s in servers]
         fields = dict(mode="attach", urls=urls, backoff_s=0.01, max_retries=2, request_timeout_s=10)
         fields.update(overrides)
-        kwargs = {"group_factory": group_factory} if group_factory is not None else {}
+        kwargs: dict = {"resumed": resumed}
+        if group_factory is not None:
+            kwargs["group_factory"] = group_factory
         engine = SGLangEngine(SGLangConfig(**fields), exporter, **kwargs)
         engines.append(engine)
         return engine

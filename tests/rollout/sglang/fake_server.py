@@ -68,8 +68,9 @@ def fake_routed_experts(num_tokens: int, num_layers: int, topk: int, num_experts
     return ((t * 3 + l * 5 + k) % num_experts).astype(np.int32)
 
 
-ATTACH = ("/destroy_weights_update_group", "/end_weight_update", "/continue_generation")
-"""What an attaching engine sends each server before its health check (engine.py `_undo_dead_trainer`)."""
+ATTACH = ("/destroy_weights_update_group", "/ready", "/end_weight_update", "/continue_generation")
+"""What a resumed engine sends each paused server (distributed sync) before its health check (engine.py
+`_undo_dead_trainer`)."""
 
 
 class FakeSGLang:
@@ -135,6 +136,9 @@ class FakeSGLang:
         self.stuck = False
         """Weight-update and pause endpoints never answer: a stand-in for a server whose scheduler is blocked in a
         broadcast receive from a trainer that died mid-sync (a real one needs NCCL and a dead GPU peer)."""
+        self.dp_size = 1
+        """Data-parallel replicas of the server: with more than one, /destroy_weights_update_group answers 500
+        (SGLang 0.5.23 asserts dp_size == 1 there, tokenizer_control_mixin.py:464, before looking for the group)."""
         self.vary_per_request = False
         """Mix the request number into the tokens: the same request twice gets different answers (a server that
         is not batch-invariant)."""
@@ -157,6 +161,10 @@ class FakeSGLang:
         self.release_violations: list[str] = []
         """What would have killed a real SGLang scheduler: a release while requests ran, a generation while
         released."""
+        self.writer_lock_waits: list[int] = []
+        """/end_weight_update calls on an unpaused server, each with the generations running then: SGLang takes
+        its model-update writer lock for them (tokenizer_control_mixin.py:471-483 in 0.5.23), which waits for the
+        running generations and holds every new one until then (utils/aio_rwlock.py): every client stalls."""
         self.groups: set[str] = set()
         """Names of the weight-update groups the server holds (SGLang keys them by name; a second init of a held
         name is refused, an unknown name's destroy too)."""
@@ -184,11 +192,13 @@ class FakeSGLang:
         kept = [(i, p) for i, (p, _) in enumerate(self.calls) if p not in left_out]
         return [p for i, p in kept if i >= first or p not in ATTACH]
 
-    def attach_paths(self) -> list[str]:
-        """What was sent before the first health check (an attaching engine's clean-up), /model_info left out."""
+    def attach_paths(self, since: int = 0) -> list[str]:
+        """What was sent from call `since` on before the next health check (an attaching engine's clean-up),
+        /model_info left out."""
         health = ("/health_generate", "/health")
-        first = next((i for i, (p, _) in enumerate(self.calls) if p in health), len(self.calls))
-        return [p for p, _ in self.calls[:first] if p != "/model_info"]
+        calls = self.calls[since:]
+        first = next((i for i, (p, _) in enumerate(calls) if p in health), len(calls))
+        return [p for p, _ in calls[:first] if p != "/model_info"]
 
     # ---------------------------------------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -201,6 +211,8 @@ class FakeSGLang:
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
+        if self.release >= (0, 5, 23):  # read in 0.5.23 (http_server.py:714-718); 0.5.9 has none (404)
+            r.add_get("/ready", self.ready)
         if self.release >= (0, 5, 21):  # the endpoints exist from 0.5.21 on (404 before, as any unknown path)
             r.add_post("/begin_weight_update", self.begin_update)
             r.add_post("/end_weight_update", self.end_update)
@@ -316,6 +328,10 @@ class FakeSGLang:
         starting = self.health_count <= self.health_503
         return web.Response(status=503 if starting or self.paused else 200)
 
+    async def ready(self, request: web.Request) -> web.Response:
+        self.calls.append((request.path, None))
+        return web.Response(status=503 if self.paused or self.dead else 200)  # tokenizer_manager.py:732-734
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         await self._payload(request)
         self.flush_count += 1
@@ -372,6 +388,8 @@ class FakeSGLang:
     async def end_update(self, request: web.Request) -> web.Response:
         await self._payload(request)
         await self._hang_if_stuck()
+        if not self.paused:
+            self.writer_lock_waits.append(self.in_flight)
         if not self.session_open:
             message = "no weight-update session is open; call begin_weight_update() first"
             return web.json_response({"success": False, "message": message}, status=400)
@@ -472,6 +490,8 @@ class FakeSGLang:
     async def destroy_group(self, request: web.Request) -> web.Response:
         p = await self._payload(request)
         await self._hang_if_stuck()
+        if self.dp_size > 1:
+            return web.Response(status=500, text="Internal Server Error")
         if p["group_name"] not in self.groups:  # SGLang 0.5.23 weight_updater.py:146-153
             message = "The group to be destroyed does not exist."
             return web.json_response({"success": False, "message": message}, status=400)

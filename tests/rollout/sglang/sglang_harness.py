@@ -485,12 +485,68 @@ def weight_updater(argv: list[str]) -> None:
     os._exit(0)  # as join_group: no teardown of live gloo groups
 
 
+def pause_locks(argv: list[str]) -> None:
+    """`pause-locks`: what SGLang 0.5.23's own TokenizerManager does with the calls a resumed engine may send
+    (engine.py `_undo_dead_trainer`), on a bare instance with its own locks (utils/aio_rwlock.py) while one
+    generation holds the model-update reader lock as `generate_request` does (tokenizer_manager.py:941). Prints
+    one JSON object: `is_ready` (what GET /ready answers 200 for) running and paused; whether /end_weight_update's
+    handler (`_weight_update_session_call`) returned within 0.3 s, unpaused and paused; whether a new generation
+    got the reader lock meanwhile; whether /continue_generation's handler returned."""
+    sys.meta_path.insert(0, _StubFinder())
+    warnings.simplefilter("ignore")
+    import asyncio
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+    from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
+    from sglang.srt.utils.aio_rwlock import RWLock
+
+    async def scenario() -> dict:
+        manager = TokenizerManager.__new__(TokenizerManager)
+        manager.is_pause, manager.is_pause_cond, manager.model_update_lock = False, asyncio.Condition(), RWLock()
+        manager.gracefully_exit, manager.server_status = False, ServerStatus.Up
+        manager.auto_create_handle_loop = lambda: None
+
+        async def to_scheduler(obj: Any) -> list:  # the scheduler answers at once
+            return [SimpleNamespace(success=True, message="ok")]
+
+        manager._async_dispatch_to_scheduler = to_scheduler
+        lock = manager.model_update_lock
+        out: dict = {"ready_running": manager.is_ready()}
+        generation = lock.reader_lock
+        await generation.__aenter__()
+        end = asyncio.ensure_future(manager._weight_update_session_call(to_scheduler, None))
+        await asyncio.sleep(0.3)
+        out["end_unpaused_returned"] = end.done()
+        newer = asyncio.ensure_future(lock.acquire_reader())
+        await asyncio.sleep(0.3)
+        out["new_generation_admitted"] = newer.done()
+        resume = asyncio.ensure_future(manager.continue_generation(ContinueGenerationReqInput()))
+        await asyncio.sleep(0.3)
+        out["continue_unpaused_returned"] = resume.done()
+        await generation.__aexit__(None, None, None)
+        await asyncio.wait_for(asyncio.gather(end, newer, resume), 5)
+        await lock.release_reader()
+        manager.is_pause = True  # as /pause_generation sets it (tokenizer_manager.py:2268-2269)
+        out["ready_paused"] = manager.is_ready()
+        await generation.__aenter__()
+        end = asyncio.ensure_future(manager._weight_update_session_call(to_scheduler, None))
+        await asyncio.sleep(0.3)
+        out["end_paused_returned"] = end.done()
+        await generation.__aexit__(None, None, None)
+        return out
+
+    print(json.dumps(asyncio.run(scenario())), flush=True)
+
+
 def main(argv: list[str]) -> None:
     global MODEL_PATH
     if argv and argv[0] == "join-group":
         return join_group(argv[1:])
     if argv and argv[0] == "weight-updater":
         return weight_updater(argv[1:])
+    if argv and argv[0] == "pause-locks":
+        return pause_locks(argv[1:])
     warnings.simplefilter("ignore")
     os.environ["HF_HUB_OFFLINE"] = "1"  # the model is a local directory; nothing is downloaded
     sys.meta_path.insert(0, _StubFinder())

@@ -480,8 +480,8 @@ def test_sglangs_weight_updater_after_its_trainer_is_killed():
     """What SGLang 0.5.23's own WeightUpdater (model_runner_components/weight_updater.py) does when the trainer
     of its group is killed with kill -9 and a resumed trainer inits the same group name: the init is refused
     (torch's "group name has already been created", caught: [false, message], HTTP 400), the destroy our engine
-    sends on attach (engine.py `_undo_dead_trainer`) frees the name, and the next init and broadcast work. Over
-    gloo, the trainers real processes (the killed one SIGKILLed after one broadcast)."""
+    sends on a resumed attach (engine.py `_undo_dead_trainer`) frees the name, and the next init and broadcast
+    work. Over gloo, the trainers real processes (the killed one SIGKILLed after one broadcast)."""
     import threading
 
     import torch
@@ -539,6 +539,25 @@ def test_sglangs_weight_updater_after_its_trainer_is_killed():
             if proc.poll() is None:
                 proc.kill()
             proc.communicate(timeout=30)
+
+
+def test_sglangs_pause_and_model_update_lock_decide_what_a_resume_may_send():
+    """SGLang 0.5.23's own TokenizerManager, one generation running: /ready's check says paused only when paused;
+    /end_weight_update on an unpaused server waits for the writer lock and holds every new generation behind it
+    (why `_undo_dead_trainer` sends it only when /ready answers 503); paused, it returns at once; and
+    /continue_generation takes no lock (what a release without /ready still gets)."""
+    env = dict(os.environ, PYTHONPATH=sglang_path("0.5.23"), OMP_NUM_THREADS="1")
+    run = subprocess.run([str(ENV_PYTHON), str(HARNESS), "pause-locks"], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {
+        "ready_running": True,
+        "end_unpaused_returned": False,
+        "new_generation_admitted": False,
+        "continue_unpaused_returned": True,
+        "ready_paused": False,
+        "end_paused_returned": True,
+    }
 
 
 def test_conformance_environment_holds_the_pinned_releases():
