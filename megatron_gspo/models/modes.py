@@ -9,21 +9,21 @@ directly. A model holding a module whose class overrides `train` is switched by 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KEY = "_megatron_gspo_modules"
+"""The model's module list, kept in the model's own __dict__: a cache outside it (e.g. a WeakKeyDictionary) would
+hold the model alive through its own first module, and every trainer built in one process with it."""
 
 
 def set_training(model: torch.nn.Module, mode: bool) -> None:
     """`model.train(mode)`: every module's `training` flag is `mode` afterwards."""
-    modules = _MODULES.get(model)
+    modules = model.__dict__.get(_KEY)
     if modules is None:
         modules = tuple(model.modules())
         if any(type(m).train is not torch.nn.Module.train for m in modules):
             modules = ()  # someone's own train() may do more than set the flag
-        _MODULES[model] = modules
+        model.__dict__[_KEY] = modules  # not Module.__setattr__: a plain attribute, no submodule registration
     if not modules:
         model.train(mode)
         return

@@ -329,19 +329,23 @@ def _patch_thd_rope() -> bool:
     # The positions of the last `cu_seqlens` seen: queries and keys of every layer of one packed forward share
     # that tensor, so they are computed (and `cu_seqlens[-1]` read to the host) once per forward, not twice per
     # layer. Keyed by the tensor object and its version counter (an in-place change invalidates the entry).
-    last: dict = {}
+    # One (tensor, version, total, positions) entry, read and replaced as a whole. Inference tensors have no
+    # version counter (torch.inference_mode): their positions are computed every time.
+    last: list = [None]
 
     def positions_of(cu_seqlens, total):
-        key = (cu_seqlens, cu_seqlens._version, total)
-        if last.get("key") is not None and last["key"][0] is cu_seqlens and last["key"][1:] == key[1:]:
-            return last["positions"]
+        cached = not cu_seqlens.is_inference()
+        entry = last[0]
+        if cached and entry is not None and entry[0] is cu_seqlens and entry[1:3] == (cu_seqlens._version, total):
+            return entry[3]
         if int(cu_seqlens[-1]) != total:
             positions = None
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
             starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
             positions = torch.arange(total, device=cu_seqlens.device) - starts
-        last.update(key=key, positions=positions)
+        if cached:
+            last[0] = (cu_seqlens, cu_seqlens._version, total, positions)
         return positions
 
     @functools.wraps(original)

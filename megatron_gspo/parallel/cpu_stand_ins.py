@@ -251,7 +251,7 @@ def _alone(group) -> bool:
 
 def _fill(output, tensor) -> None:
     if output.data_ptr() != tensor.data_ptr() or output.shape != tensor.shape:
-        output.copy_(tensor)
+        output.copy_(tensor.reshape(output.shape))  # torch takes a stacked [1, N] input into an [N] output
 
 
 class _CpuDistributed(types.ModuleType):

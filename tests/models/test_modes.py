@@ -1,5 +1,8 @@
 """set_training: the training flag of every module, as Module.train sets it, without the walk per switch."""
 
+import gc
+import weakref
+
 import torch
 
 from megatron_gspo.models.modes import set_training
@@ -41,3 +44,14 @@ def test_a_module_with_its_own_train_is_switched_by_it():
     set_training(model, True)
     assert calls == [False, True]
     assert _flags(model) == [True, True, True]
+
+
+def test_a_switched_model_is_freed_once_dropped():
+    """The module list cached for the switch must not keep the model alive (trainers built one after the other in
+    one process, e.g. the stability benchmark's runs, would otherwise all stay in memory)."""
+    model = _tree()
+    set_training(model, False)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

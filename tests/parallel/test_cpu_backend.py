@@ -177,6 +177,11 @@ def _thd_rope_both_ways():
         patched(t, cu, freqs, cp_group=cp)
         cu.copy_(torch.tensor([0, 2, 12, 13, 18], dtype=torch.int32))
         out["in_place"] = (patched(t, cu, freqs, cp_group=cp), original(t, cu, freqs, cp_group=cp))
+        # under torch.inference_mode (tensors without a version counter): not cached, still megatron's result
+        with torch.inference_mode():
+            cu = torch.tensor([0, 4, 18], dtype=torch.int32)
+            t = torch.randn(18, 4, 16, generator=g)
+            out["inference"] = (patched(t, cu, freqs, cp_group=cp), original(t, cu, freqs, cp_group=cp))
         # freqs over every packed position (megatron's CASE 1) is not the patch's case: megatron's own result
         full = torch.randn(6, 1, 1, 16, generator=g)
         t = torch.randn(6, 4, 16, generator=g)
@@ -195,6 +200,7 @@ def test_packed_rope_without_the_per_sequence_loop_is_megatrons_bit_for_bit():
         assert gx_ref.abs().max() > 0
     assert torch.equal(*out["case1"])
     assert torch.equal(*out["in_place"])
+    assert torch.equal(*out["inference"])
 
 
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "_coalescing_manager")
