@@ -18,19 +18,26 @@ from tests.rollout.vllm.test_end_to_end import _rows, _train, pytestmark, server
 EXIT_STOPPED = 75
 
 
+
+def _run_until_checkpoint(run, attach: list[str], what: str, step: int = 3):
+    """A 30-step training process on the server, returned running once its checkpoint of `step` is written (the
+    caller then stops or kills it), with the path of its `latest` pointer."""
+    proc = _train(run, ["trainer.steps=30", *attach], popen=True)
+    latest = run / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= f"iter_{step:07d}":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before the {what}:\n" + proc.stderr.read()[-3000:]
+    return proc, latest
+
 @pytest.mark.slow
 def test_one_step_off_on_vllm_lags_one_version_and_a_stopped_run_resumes(server, tmp_path):  # noqa: F811
     url = server.server_urls[0]
     run = tmp_path / "run"
     attach = ["vllm.mode=attach", f"vllm.urls=[{url}]", "rollout.mode=one_step_off", "rollout.max_staleness=1"]
-    proc = _train(run, ["trainer.steps=30", *attach], popen=True)
-    latest = run / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() >= "iter_0000003":
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before the stop:\n" + proc.stderr.read()[-3000:]
+    proc, latest = _run_until_checkpoint(run, attach, "stop")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
@@ -85,14 +92,7 @@ def test_killed_async_run_with_partial_rollouts_resumes_and_the_shared_server_ta
     url = server.server_urls[0]
     run = tmp_path / "run"
     attach = ["vllm.mode=attach", f"vllm.urls=[{url}]", "rollout.mode=async", "rollout.max_staleness=2"]
-    proc = _train(run, ["trainer.steps=30", *attach], popen=True)
-    latest = run / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() >= "iter_0000003":
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before the kill:\n" + proc.stderr.read()[-3000:]
+    proc, latest = _run_until_checkpoint(run, attach, "kill")
     proc.kill()
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
