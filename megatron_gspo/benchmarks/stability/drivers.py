@@ -63,6 +63,7 @@ DRIVERS: dict[str, Driver] = {
         (
             "data.train=task:count2",
             "data.heldout=task:count2",
+            "data.train_size=2048",  # count2 has ~4000 distinct train prompts (the preset asks for 8192)
             "rollout.max_new_tokens=256",
             "model.overrides.max_position_embeddings=320",
             "trainer.prompts_per_step=16",
