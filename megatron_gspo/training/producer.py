@@ -217,6 +217,9 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._times = {"time_producer_busy": 0.0, "time_producer_idle": 0.0, "time_wait_producer": 0.0,
                        "time_sync_wait": 0.0}
+        # Per producer thread: what it is doing since when, so take_times splits a generate call (or an idle wait)
+        # that spans a step between the steps instead of crediting all of it to the step in which it ends.
+        self._since: dict[int, tuple[str, float]] = {}
         self._threads = [threading.Thread(target=self._run, name=f"rollout-producer-{i}", daemon=True)
                          for i in range(calls)]
         for thread in self._threads:
@@ -237,25 +240,26 @@ class RolloutProducer:
                 # The current CUDA device is per thread and a new thread starts on device 0: without this, whatever
                 # generate / score put on "cuda" in this thread would land on device 0, another rank's GPU.
                 torch.cuda.set_device(self.device)
+            me = threading.get_ident()
             while True:
                 with self._cond:
-                    t0 = time.monotonic()
+                    self._since[me] = ("time_producer_idle", time.monotonic())
                     while not (self.stopped.is_set() or self._may_start()):
                         self._cond.wait()
-                    self._times["time_producer_idle"] += time.monotonic() - t0
+                    self._account(me)
                     if self.stopped.is_set():
                         return
                     # Index and prompts together: batch p is the sampler's p-th batch, whichever thread.
                     index, items = self._next, next(self._sampler)
                     self._next += 1
                     self._generating += 1
-                t0 = time.monotonic()
+                    self._since[me] = ("time_producer_busy", time.monotonic())
                 try:
                     result = self._produce(index, items)
                 finally:
                     with self._cond:
                         self._generating -= 1
-                        self._times["time_producer_busy"] += time.monotonic() - t0
+                        self._account(me)
                         self._cond.notify_all()
                 with self._cond:
                     self._ready[index] = result
@@ -265,6 +269,11 @@ class RolloutProducer:
                 if self._error is None:  # the first failure is the cause; later calls may fail from it
                     self._error = e
                 self._cond.notify_all()
+
+    def _account(self, thread: int) -> None:
+        """Adds the thread's time since its last mark to what it was doing (under the lock)."""
+        kind, t0 = self._since.pop(thread)
+        self._times[kind] += time.monotonic() - t0
 
     def _alive(self) -> bool:
         return any(t.is_alive() for t in self._threads)
@@ -332,9 +341,13 @@ class RolloutProducer:
 
     def take_times(self) -> dict[str, float]:
         """Seconds since the last call: the producer generating / waiting (summed over its threads: with several
-        calls in flight busy can exceed the wall time), the trainer waiting for a batch / for the producer's calls
-        before a weight sync or evaluation."""
+        calls in flight busy can exceed the wall time; a call or wait still running counts here for its share so
+        far), the trainer waiting for a batch / for the producer's calls before a weight sync or evaluation."""
         with self._cond:
+            now = time.monotonic()
+            for thread, (kind, t0) in self._since.items():  # a call or wait in progress: its share so far
+                self._times[kind] += now - t0
+                self._since[thread] = (kind, now)
             times, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return times
 

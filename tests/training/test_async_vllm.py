@@ -48,7 +48,10 @@ def test_one_step_off_on_vllm_lags_one_version_and_a_stopped_run_resumes(server,
     assert rows[1]["staleness_max"] == 0
     assert all(rows[s]["staleness_mean"] == rows[s]["staleness_max"] == 1 for s in range(2, done + 1)), rows
     assert all(rows[s]["groups_stale"] == 0 and rows[s]["rollout_batches"] == s for s in rows)
-    assert all(rows[s]["time_producer_busy"] > 0 for s in range(2, done + 1))
+    # The producer's time is credited to the step it falls in (a call running at a step's end is split), but a call
+    # can still end before the step that took the previous batch closes its window (a loaded 2-core CI machine did
+    # that at 15015a8): per step it may be 0, over the steps it is not.
+    assert sum(rows[s]["time_producer_busy"] for s in range(2, done + 1)) > 0
 
     res = _train(run, [f"trainer.steps={done + 2}", *attach], resume=True)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -135,6 +135,27 @@ def test_a_weight_sync_waits_for_the_producers_call_and_holds_the_next():
         producer.close()
 
 
+def test_a_call_spanning_two_steps_is_split_between_them():
+    """take_times credits each step with the producer's time inside it: a generate call still running at a step's
+    end counts there for its share so far (the CI failure of 15015a8: credited only at its end, a one-step-off call
+    could land wholly in the next step and leave a step with time_producer_busy == 0)."""
+    engine = Engine()
+    engine.gate = threading.Event()
+    producer = _producer(engine, 1)
+    try:
+        engine.in_call.wait(5)
+        time.sleep(0.3)
+        first = producer.take_times()
+        assert first["time_producer_busy"] >= 0.29
+        time.sleep(0.1)
+        engine.gate.set()
+        producer.batch(0)
+        second = producer.take_times()
+        assert 0.09 <= second["time_producer_busy"] < 0.25  # the rest of the call, not the whole call again
+    finally:
+        producer.close()
+
+
 def test_an_engine_with_partial_rollouts_syncs_without_waiting():
     engine = Engine()
     engine.gate = threading.Event()

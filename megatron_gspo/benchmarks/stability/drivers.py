@@ -134,6 +134,8 @@ def cell_overrides(cell: str) -> list[str]:
     return out
 
 
-def cell_needs_own_model(cell: str) -> bool:
-    """Whether a driver of the cell changes the architecture or the task (its own cold-start SFT model)."""
-    return any(DRIVERS[n].new_model for n in parse_cell(cell))
+def model_cell(cell: str) -> str:
+    """The cell whose cold-start SFT model `cell` starts from: its drivers that change the architecture or the task
+    ("engine_bf16+long_answers" -> "long_answers"), or "preset" when none does."""
+    own = [n for n in parse_cell(cell) if DRIVERS[n].new_model]
+    return "+".join(own) if own else "preset"

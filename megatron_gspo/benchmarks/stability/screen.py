@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from megatron_gspo.benchmarks.stability.benchmark import VARIANTS, code_version, shared_sft, variant_overrides
-from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS, cell_needs_own_model, cell_overrides
+from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS, cell_overrides, model_cell
 from megatron_gspo.benchmarks.stability.report import REWARD_FLOOR, REWARD_WINDOW, json_safe, summarise_run
 from megatron_gspo.metrics.plot import read_jsonl
 from megatron_gspo.training.config import load_run_config
@@ -279,9 +279,10 @@ def run_screen(plan: ScreenPlan, runner=watch_run) -> list[dict]:
             if prev and prev["status"] in DONE and prev.get("config_digest") == digest:
                 log.info("screen: %s / %s done (%s), skipped", cell, variant, prev.get("verdict"))
                 continue
-            # The cold-start model: one per architecture / task (drivers.py new_model).
-            sft_name = cell if cell_needs_own_model(cell) else "preset"
-            own = cell_overrides(cell) if sft_name != "preset" else []
+            # The cold-start model: one per architecture / task (drivers.py new_model), shared by the cells that
+            # add drivers keeping it (engine_bf16+long_answers starts from long_answers' model).
+            sft_name = model_cell(cell)
+            own = cell_overrides(sft_name) if sft_name != "preset" else []
             sft_cfg = load_run_config(plan.config, [*plan.overrides, *own])
             sft_dir = shared_sft(sft_cfg, out / "sft" / sft_name) if sft_cfg.model.load is None else None
             # The digest in the name: a screen of other settings (--steps) never replaces this one's run.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_gspo.benchmarks.stability.benchmark import variant_overrides
-from megatron_gspo.benchmarks.stability.drivers import DRIVERS, SCREEN_CELLS, cell_needs_own_model, cell_overrides
+from megatron_gspo.benchmarks.stability.drivers import DRIVERS, SCREEN_CELLS, cell_overrides, model_cell
 from megatron_gspo.benchmarks.stability.screen import (
     ScreenPlan,
     certain_collapse,
@@ -57,7 +57,8 @@ def test_driver_knobs_reach_the_config():
     assert long.data.train == "task:count2" and long.rollout.max_new_tokens == 256
     combined = cfg("engine_bf16+k8")
     assert combined.rollout.local.dtype == "bf16" and combined.trainer.minibatches == 8
-    assert cell_needs_own_model("engine_bf16+top2") and not cell_needs_own_model("engine_bf16+k8")
+    assert model_cell("engine_bf16+top2") == "top2" and model_cell("engine_bf16+k8") == "preset"
+    assert model_cell("top2+long_answers") == "top2+long_answers"
     assert {d.mechanism for d in DRIVERS.values()} == {"none", "mismatch", "pi_old", "staleness", "lr", "router", "length"}
 
 
