@@ -107,14 +107,16 @@ class ScreenPlan:
 
 
 def parse_stop_at(text: str | None, now: datetime.datetime | None = None) -> datetime.datetime | None:
-    """`--stop-at`: HH:MM (UTC, today) or an ISO date-time (UTC unless it says otherwise)."""
+    """`--stop-at`: HH:MM (UTC, the next such moment: 01:05 given at 22:53 is tomorrow's) or an ISO date-time (UTC
+    unless it says otherwise)."""
     if text is None:
         return None
     now = now or datetime.datetime.now(datetime.timezone.utc)
     try:
         if len(text) <= 5 and ":" in text:
             hh, mm = (int(x) for x in text.split(":"))
-            return now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+            moment = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+            return moment if moment > now else moment + datetime.timedelta(days=1)
         moment = datetime.datetime.fromisoformat(text)
     except ValueError:
         raise ValueError(f"--stop-at={text!r} must be HH:MM (UTC) or an ISO date-time") from None

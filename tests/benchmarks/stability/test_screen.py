@@ -87,6 +87,9 @@ def test_screen_plan_is_validated_before_anything_runs():
         parse_stop_at("soon")
     now = datetime.datetime(2026, 12, 2, 13, 0, tzinfo=datetime.timezone.utc)
     assert parse_stop_at("15:30", now) == now.replace(hour=15, minute=30)
+    # Past midnight: the next 01:05, not today's (which had passed: the screen stopped before its first run).
+    late = datetime.datetime(2026, 12, 2, 22, 53, tzinfo=datetime.timezone.utc)
+    assert parse_stop_at("01:05", late) == datetime.datetime(2026, 12, 3, 1, 5, tzinfo=datetime.timezone.utc)
 
 
 def test_the_digest_is_of_the_resolved_config():
