@@ -25,13 +25,15 @@ CORRECTION_MODES = ("truncate", "mask")
 SEQUENCE_WEIGHTS = ("geometric", "product")
 """Sequence-level weight: exp(mean_t d) (length-normalised, GSPO Eq.7's form) or exp(sum_t d) (the unbiased one)."""
 EXTREME_RATIO_TAU = 2.0
-"""tau of the R3 paper's F(tau) (arXiv:2510.11370): the fraction of tokens whose train / rollout ratio exceeds it."""
+"""tau of the R3 paper's F(tau) (arXiv:2510.11370): the fraction of tokens whose train / rollout ratio exceeds it
+(logged one-sided, as REFERENCE §11 reads it, and two-sided: ratio > tau or < 1 / tau)."""
 PRODUCT_LOG_CLAMP = 50.0
 """|sum_t d| bound for the LOGGED exp(sum) weight (fp64): wide enough to show 1e-18 on long answers, never inf."""
 CORRECTION_METRICS = (
     "mismatch_kl",
     "mismatch_kl_k1",
     "mismatch_frac_ratio_above_2",
+    "mismatch_frac_ratio_outside_2",
     "is_weight_mean",
     "is_weight_min",
     "is_weight_max",
@@ -110,7 +112,8 @@ def rollout_correction(
       is_weight_frac_below: fraction below `mask_below` (masked; 0 without it);
       is_weight_mean_applied: mean of the weights returned.
     - mismatch_frac_ratio_above_2: F(tau = 2) of the R3 paper, the fraction of response tokens with
-      exp(d_i,t) > 2.
+      exp(d_i,t) > 2; mismatch_frac_ratio_outside_2: the two-sided count, exp(d_i,t) > 2 or < 1/2 (|d| > log 2),
+      for a reading of F(tau) over max(ratio, 1 / ratio).
     - seq_weight_geo_mean / _min / _max: the geometric sequence weight exp(mean_t d) over sequences with tokens;
       seq_weight_prod_mean / _min / _max: the unbiased exp(sum_t d) (its log clamped to +-50, fp64, so that
       1e-18 on a long answer shows as such); seq_log_weight_sum_mean: mean over sequences of sum_t d (exact).
@@ -146,6 +149,7 @@ def rollout_correction(
         applied_mean = torch.where(valid, weights, 0.0).to(torch.float64).sum() / num_units
         above = ((raw > threshold) & valid).sum() / num_units
         extreme = ((d_BT > math.log(EXTREME_RATIO_TAU)) & mask_BT).sum() / num_tokens.clamp(min=1)
+        outside = ((d_BT.abs() > math.log(EXTREME_RATIO_TAU)) & mask_BT).sum() / num_tokens.clamp(min=1)
         sum64_B = sum_B.to(torch.float64)
         geo_mean, geo_min, geo_max = masked_mean_min_max(torch.exp(sum64_B / counts_B.clamp(min=1)), valid_B)
         prod_B = torch.exp(sum64_B.clamp(-PRODUCT_LOG_CLAMP, PRODUCT_LOG_CLAMP))
@@ -155,6 +159,7 @@ def rollout_correction(
             "mismatch_kl": k3_BT.sum() / num_tokens.clamp(min=1),
             "mismatch_kl_k1": -d_BT.sum() / num_tokens.clamp(min=1),
             "mismatch_frac_ratio_above_2": extreme,
+            "mismatch_frac_ratio_outside_2": outside,
             "is_weight_mean": weight_mean,
             "is_weight_min": weight_min,
             "is_weight_max": weight_max,

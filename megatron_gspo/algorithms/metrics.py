@@ -51,6 +51,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "is_weight_frac_below": "is_weight_count",
     "is_weight_mean_applied": "is_weight_count",
     "mismatch_frac_ratio_above_2": "num_tokens",
+    "mismatch_frac_ratio_outside_2": "num_tokens",
     "seq_weight_geo_mean": "num_sequences",
     "seq_weight_geo_min": "min",
     "seq_weight_geo_max": "max",

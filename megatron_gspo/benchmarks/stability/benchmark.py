@@ -13,6 +13,7 @@ benchmarks/stability/report.py, the figures in benchmarks/stability/plots.py.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -218,7 +219,28 @@ def shared_sft(base: RunConfig, out: Path) -> Path:
     if _is_rank0():
         settings.write_text(json.dumps(wanted, indent=1))
         (sft_dir / "sft_result.json").write_text(json.dumps(result, indent=1))
+        (sft_dir / SFT_CODE_FILE).write_text(json.dumps(code_version(), indent=1))
     return sft_dir
+
+
+SFT_CODE_FILE = "sft_code.json"
+"""The code version that trained a shared SFT model (it is reused across code versions while its settings match)."""
+
+
+def sft_fingerprint(sft_dir: Path) -> dict:
+    """What a run row records of the SFT model it started from: its directory, the sha256 of its checkpoint's files
+    (model/: megatron's distributed checkpoint; relative path and bytes, in path order) and the code version that
+    trained it (None for models trained before that was written)."""
+    digest = hashlib.sha256()
+    weights = sft_dir / "model"
+    for path in sorted(p for p in weights.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(weights).as_posix().encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    code = sft_dir / SFT_CODE_FILE
+    return {"dir": str(sft_dir), "weights_sha256": digest.hexdigest(),
+            "trained_at": json.loads(code.read_text()) if code.is_file() else None}
 
 
 def _is_rank0() -> bool:
@@ -298,9 +320,10 @@ def run_stability(
     start = clock()
     started_at = datetime.datetime.now().isoformat(timespec="seconds")
     code = code_version()  # at the start: the code this invocation imports and runs
-    extra = []
+    extra, sft = [], None
     if base.model.load is None:
-        extra = [f"model.load={shared_sft(base, out)}"]
+        sft_dir = shared_sft(base, out)
+        extra, sft = [f"model.load={sft_dir}"], sft_fingerprint(sft_dir)
     runs = plan_runs(variants, seed_list, out, base, extra)
     configs = [load_run_config(config, [*overrides, *r.overrides]) for r in runs]  # all validated up front
     result = BenchmarkResult(report=out / "report.md")
@@ -356,6 +379,7 @@ def run_stability(
             "seeds": seed_list,
             "budget_minutes": budget_minutes,
             "code": code,
+            "sft_model": sft,
             "started": started_at,
             "seconds": total,
             "runs": records,

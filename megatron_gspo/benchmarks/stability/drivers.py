@@ -100,8 +100,9 @@ DEFAULT_STEPS = 20
 DEFAULT_LABEL = (
     "Default setting of `megatron-gspo stability` (no --config, no --cell): cell engine_bf16+k8 at 20 RL steps, the "
     "most discriminating setting the CPU map found (results/stability_moe/pass_bf16_k8.md: GRPO collapsed in 3/3 "
-    "seeds, GSPO in 2/3, GRPO + R2 3/3, GRPO + R3 3/3), short of issue 29's bar (GRPO in >= 2/3, GSPO in 0/3): no "
-    "CPU setting found separates them (README 'Collapse drivers'); `--cell baseline` runs the plain preset."
+    "seeds, GSPO in 2/3, GRPO + R2 3/3, GRPO + R3 3/3), short of issue 29's bar (GRPO in >= 2/3, GSPO in 0/3): the "
+    "one GRPO / GSPO difference found (GSPO's seed 1235) is within the seed spread and the held-out evaluation's noise; "
+    "no CPU setting found separates them (README 'Collapse drivers'); `--cell baseline` runs the plain preset."
 )
 """`megatron-gspo stability`'s default on the CPU preset (cli/main.py), and what the map says of it: the 3-seed pass of
 gspo / grpo / grpo_r2 / grpo_r3 on the cells where GRPO collapsed in the screen."""

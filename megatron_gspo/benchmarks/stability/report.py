@@ -126,11 +126,13 @@ _MEAN_KEYS = {
     "mismatch_kl": "mismatch_kl",
     "routing_mismatch": "routing_mismatch",
     "frac_ratio_above_2": "mismatch_frac_ratio_above_2",
+    "frac_ratio_outside_2": "mismatch_frac_ratio_outside_2",
     "router_flips_any_layer": "routing_mismatch_tokens_changed",
 }
 """Run-table columns that are means over RL steps of one metrics.jsonl key. The R3 paper's metrics
 (arXiv:2510.11370 §3) are mismatch_kl (k3 train / inference KL), frac_ratio_above_2 (F(tau = 2): share of
-response tokens whose pi_train / pi_rollout exceeds 2), router_flips_any_layer (share of response tokens routed
+response tokens whose pi_train / pi_rollout exceeds 2; frac_ratio_outside_2 also counts those below 1/2, for the
+reading of F(tau) over max(ratio, 1 / ratio)), router_flips_any_layer (share of response tokens routed
 to another top-k set by the engine than by the trainer in >= 1 layer; the paper: 94%) and, per layer,
 `router_flips_per_layer` (share of a layer's routers, one per token, whose top-k set differs; the paper: ~10%)."""
 _ROUTER_FLIPS_LAYER = "routing_mismatch_tokens_changed_layer"
@@ -173,7 +175,8 @@ def summarise_run(run_dir: Path) -> dict:
         # pi_old IS the engine's then: the correction compares it with itself (0). The mismatch shows in the first
         # minibatch's ratio against it instead (before any update): `mismatch_approx_kl`, the loss's approx_kl
         # estimator (k3 per token; k1 for GSPO's per-sequence sums); F(2) is not measured.
-        out.update(mismatch_kl=math.nan, mismatch_kl_max=math.nan, frac_ratio_above_2=math.nan)
+        out.update(mismatch_kl=math.nan, mismatch_kl_max=math.nan, frac_ratio_above_2=math.nan,
+                   frac_ratio_outside_2=math.nan)
     out["engine_ratio_kl"] = _mean(rows, "mismatch_approx_kl")
     full_lr = [r for r in rows if int(r["step"]) >= first_full_lr_step(run_dir)]
     for name in ("expert_drift", "tokens_changed", "drift_rollout", "tokens_changed_rollout"):
@@ -214,6 +217,7 @@ AGGREGATED = (
     "mismatch_kl",
     "routing_mismatch",
     "frac_ratio_above_2",
+    "frac_ratio_outside_2",
     "router_flips_any_layer",
     "wall_seconds",
 )
@@ -235,6 +239,11 @@ def _pm(value: tuple[float, float], digits: int, *, scale: float = 1.0) -> str:
     return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 
+VARIANT_TITLES = {"gspo": "GSPO", "gspo_token": "GSPO-token", "grpo": "GRPO", "grpo_r2": "GRPO + R2",
+                  "gspo_r2": "GSPO + R2", "grpo_r3": "GRPO + R3"}
+"""How report.md's title names the variants it holds (benchmark.VARIANTS)."""
+
+
 def _sci(value: tuple[float, float]) -> str:
     mean, std = value
     return "-" if not math.isfinite(mean) else f"{mean:.2e} ± {std:.1e}"
@@ -253,16 +262,16 @@ def write_report(
 
     rows = {v: {s: summarise_run(d) for s, d in sorted(seeds.items())} for v, seeds in runs.items()}
     agg = {v: summarise_variant(list(r.values())) for v, r in rows.items() if r}
-    lines = ["# MoE RL stability: GSPO vs GSPO-token vs GRPO vs GRPO + Routing Replay", "", *header]
+    lines = [f"# MoE RL stability: {' vs '.join(VARIANT_TITLES.get(v, v) for v in agg)}", "", *header]
     lines += [
         "",
         "## Variants (mean ± std over seeds)",
         "",
         "| variant | seeds | collapsed | final reward | best reward | held-out before | held-out after | gain (pts) "
         "| drift / step (%) | tokens changed / step (%) | drift / rollout batch (%) | tokens changed / rollout "
-        "batch (%) | clip low tok | clip high tok | clip low seq | clip high seq | train/infer KL | F(2) | router flips, "
+        "batch (%) | clip low tok | clip high tok | clip low seq | clip high seq | train/infer KL | F(2) | F(2), both sides | router flips, "
         ">= 1 layer (%) | s per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, a in agg.items():
         lines.append(
@@ -272,7 +281,8 @@ def write_report(
             f"| {_pm(a['tokens_changed'], 1, scale=100)} | {_pm(a['drift_rollout'], 2, scale=100)} "
             f"| {_pm(a['tokens_changed_rollout'], 1, scale=100)} | {_sci(a['clip_low_tok'])} | {_sci(a['clip_high_tok'])} "
             f"| {_sci(a['clip_low_seq'])} | {_sci(a['clip_high_seq'])} | {_sci(a['mismatch_kl'])} "
-            f"| {_sci(a['frac_ratio_above_2'])} | {_pm(a['router_flips_any_layer'], 1, scale=100)} "
+            f"| {_sci(a['frac_ratio_above_2'])} | {_sci(a['frac_ratio_outside_2'])} "
+            f"| {_pm(a['router_flips_any_layer'], 1, scale=100)} "
             f"| {_pm(a['wall_seconds'], 0)} |"
         )
     lines += [

@@ -31,7 +31,13 @@ from pathlib import Path
 
 import yaml
 
-from megatron_gspo.benchmarks.stability.benchmark import VARIANTS, code_version, shared_sft, variant_overrides
+from megatron_gspo.benchmarks.stability.benchmark import (
+    VARIANTS,
+    code_version,
+    sft_fingerprint,
+    shared_sft,
+    variant_overrides,
+)
 from megatron_gspo.benchmarks.stability.drivers import SCREEN_CELLS, cell_overrides, model_cell
 from megatron_gspo.benchmarks.stability.report import REWARD_FLOOR, REWARD_WINDOW, json_safe, summarise_run
 from megatron_gspo.metrics.plot import read_jsonl
@@ -197,7 +203,8 @@ def watch_run(cmd: list[str], run_dir: Path, log_path: Path, *, stop_at, run_min
     return status, seconds
 
 
-def _row(plan: ScreenPlan, cell: str, variant: str, status: str, seconds: float, digest: str, cmd, run_dir, code):
+def _row(plan: ScreenPlan, cell: str, variant: str, status: str, seconds: float, digest: str, cmd, run_dir, code,
+         sft_dir: Path | None = None):
     row: dict = {
         "cell": cell,
         "variant": variant,
@@ -211,6 +218,9 @@ def _row(plan: ScreenPlan, cell: str, variant: str, status: str, seconds: float,
         "run_command": [Path(cmd[0]).name, *cmd[1:]],
         "run_dir": str(run_dir),
         "time": _now().isoformat(timespec="seconds"),
+        # model.load given by the user: its path is in run_command; a shared SFT model is reused across code
+        # versions, so which weights and which code made them are recorded.
+        "sft_model": sft_fingerprint(sft_dir) if sft_dir is not None else None,
     }
     if (run_dir / "metrics.jsonl").is_file():
         summary = summarise_run(run_dir)
@@ -228,7 +238,9 @@ def write_screen_table(rows_path: Path) -> Path:
     """screen.md beside the rows: the last row of each (cell, variant, seed), in the order first run."""
     rows = last_rows(rows_path)
     lines = [
-        f"# Screening pass of the collapse drivers ({rows_path.name}: {len(rows)} runs)",
+        f"# Collapse-driver runs ({rows_path.name}: {len(rows)} runs; cells "
+        f"{', '.join(dict.fromkeys(cell for cell, _, _ in rows))}; "
+        f"seeds {', '.join(str(seed) for seed in sorted({seed for _, _, seed in rows}))})",
         "",
         "Rows are appended by `megatron-gspo stability-screen` (command and code version in each row). Verdicts by "
         "the collapse rule of report.md; `early_stop`: stopped once the collapse was certain; `cut`: stopped by "
@@ -304,7 +316,7 @@ def run_screen(plan: ScreenPlan, runner=watch_run) -> list[dict]:
                 stop_at=plan.stop_at,
                 run_minutes=plan.run_minutes,
             )
-            row = _row(plan, cell, variant, status, seconds, digest, cmd, run_dir, code)
+            row = _row(plan, cell, variant, status, seconds, digest, cmd, run_dir, code, sft_dir)
             with open(rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             written.append(row)

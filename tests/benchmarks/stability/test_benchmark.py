@@ -1,6 +1,7 @@
 """`megatron-gspo stability` end to end on the benchmark's example config, shrunk to 2 RL steps: SFT, every
 (variant, seed) run with progress, the report with its tables and figures."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -66,6 +67,10 @@ def test_two_step_benchmark_writes_the_report(tmp_path):
     ):
         assert f"stability [{i}/4] {name}: starting" in log  # seed-major progress
     report = (out / "report.md").read_text()
+    assert json.loads((out / "sft_model" / "sft_code.json").read_text()).keys() == {"commit", "dirty"}
+    meta = json.loads((out / "benchmark.json").read_text())
+    assert meta["sft_model"]["trained_at"]["commit"]
+    assert meta["sft_model"]["weights_sha256"] != hashlib.sha256().hexdigest()  # weight files were hashed
     assert "## Variants (mean ± std over seeds)" in report and "| grpo_r2 | 2 | " in report
     for variant in ("grpo_r2", "grpo_r3"):
         for seed in (1234, 1235):

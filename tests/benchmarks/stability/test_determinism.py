@@ -40,3 +40,20 @@ def test_same_seed_and_config_give_bitwise_identical_metrics(tmp_path):
     assert a[0]["mismatch_kl"] > 0 and "routing_mismatch" in a[0]  # the engine is not the trainer here
     # Not a comparison of constants: the two steps' metrics differ (the second trains on other samples).
     assert [r["step"] for r in a[:2]] == [1, 2] and 0 < a[0]["grad_norm"] != a[1]["grad_norm"]
+
+
+@pytest.mark.slow
+def test_the_rollout_batch_drift_forward_changes_no_training_metric(tmp_path):
+    """`megatron-gspo stability` turns moe.drift_rollout on (benchmark.plan_runs: its report's drift per rollout
+    batch) where the screen and the 3-seed passes ran without it: the extra forward after the last optimizer step
+    must leave the run itself bitwise the same, or the default would not reproduce the committed rows."""
+    runs = run_distributed(metrics_of_runs, str(tmp_path), OVERRIDES, [7, 7],
+                           [["moe.drift_rollout=false"], ["moe.drift_rollout=true"]], world_size=1,
+                           start_method="spawn")[0]
+    off, on = _values(runs[0]), _values(runs[1])
+    added = [k for k in on[0] if k not in off[0]]
+    assert added and all(k.startswith("expert_drift_rollout") for k in added)
+    on = [{k: v for k, v in r.items() if k in off[i]} for i, r in enumerate(on)]
+    assert len(off) == len(on) and all(_same(x, y) for x, y in zip(off, on)), [
+        (k, x[k], y[k]) for x, y in zip(off, on) for k in x if x[k] != y.get(k)
+    ][:5]

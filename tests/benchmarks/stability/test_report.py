@@ -151,6 +151,7 @@ def test_report_tables_and_figures(tmp_path):
         runs["grpo"][seed] = tmp_path / "grpo" / f"seed{seed}"
     report = write_report(tmp_path, runs, skipped=["grpo/seed3"], header=["HEADER LINE"]).read_text()
     assert "HEADER LINE" in report and "Not run (budget): grpo/seed3." in report
+    assert report.splitlines()[0] == "# MoE RL stability: GSPO vs GRPO"  # the variants it holds, no others
     assert "| gspo | 2 | 0/2 | 0.400 ± 0.000 |" in report
     assert "| grpo | 2 | 2/2 |" in report
     assert "| 1.50e-01 ± 7.1e-02 |" in report  # clip high tok over seeds: 0.1 and 0.2

@@ -184,6 +184,7 @@ def test_rows_are_appended_with_verdict_metrics_and_code_and_a_resumed_screen_re
     assert [(r["cell"], r["status"]) for r in again] == [("k8", "finished")]  # the cut run only
     assert len((tmp_path / "screen.jsonl").read_text().splitlines()) == 3
     table = (tmp_path / "screen.md").read_text().splitlines()
+    assert table[0] == "# Collapse-driver runs (screen.jsonl: 2 runs; cells baseline, k8; seeds 1234)"
     assert table[-2].startswith("| baseline | grpo | 1234 | early_stop | 12/12 | collapsed@9 (reward) | 0.300 |")
     assert table[-1].startswith("| k8 | grpo | 1234 | finished |")
     assert "| 10.0 / 30.0 |" not in table[-1] and "| - / 30.0 |" in table[-1]  # no any-layer key; max layer 0.3
@@ -202,9 +203,11 @@ def test_k3_kl_and_f2_against_the_formulas():
     d = [float(train[i, t] - rollout[i, t]) for i in range(3) for t in range(7) if mask[i, t]]
     k3 = sum(math.exp(x) - 1 - x for x in d) / len(d)
     f2 = sum(math.exp(x) > 2 for x in d) / len(d)
-    assert 0 < f2 < 1
+    f2_both = sum(math.exp(x) > 2 or math.exp(x) < 0.5 for x in d) / len(d)
+    assert 0 < f2 < f2_both < 1
     assert float(m["mismatch_kl"]) == pytest.approx(k3, rel=1e-6)
     assert float(m["mismatch_frac_ratio_above_2"]) == pytest.approx(f2)
+    assert float(m["mismatch_frac_ratio_outside_2"]) == pytest.approx(f2_both)
 
 
 def test_router_flips_per_layer_against_sets():
@@ -253,3 +256,22 @@ def test_stability_cell_option_puts_the_cells_overrides_before_the_users(monkeyp
     # A config of the user's own gets no cell unless asked for.
     assert main(["stability", "--config", seen["config"], "--out", str(tmp_path)]) == 0
     assert seen["overrides"] == [] and seen["note"] is None
+
+
+def test_a_row_names_the_weights_and_code_of_its_sft_model(tmp_path):
+    """The shared SFT model outlives code versions (reused while its settings match): a row records the sha256 of
+    its weight files and the code that trained it."""
+    import hashlib
+
+    from megatron_gspo.benchmarks.stability.benchmark import sft_fingerprint
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "b.distcp").write_bytes(b"second")
+    (tmp_path / "model" / "a.pt").write_bytes(b"first")
+    (tmp_path / "config.json").write_text("{}")  # not the checkpoint
+    expected = hashlib.sha256(b"a.pt" + b"first" + b"b.distcp" + b"second").hexdigest()
+    assert sft_fingerprint(tmp_path) == {"dir": str(tmp_path), "weights_sha256": expected, "trained_at": None}
+    (tmp_path / "sft_code.json").write_text(json.dumps({"commit": "abc", "dirty": False}))
+    (tmp_path / "model" / "b.distcp").write_bytes(b"changed")
+    fp = sft_fingerprint(tmp_path)
+    assert fp["weights_sha256"] != expected and fp["trained_at"] == {"commit": "abc", "dirty": False}
