@@ -46,6 +46,11 @@ def test_driver_knobs_reach_the_config():
 
     assert cfg("baseline").rollout.local.torch_dtype() is None  # the engine is the trainer
     assert cfg("engine_bf16").rollout.local.torch_dtype() is torch.bfloat16 and cfg("engine_bf16").model.dtype == "fp32"
+    assert cfg("engine_fp16").rollout.local.torch_dtype() is torch.float16
+    assert cfg("engine_hf_fp32").rollout.local.backend == "hf" and cfg("engine_hf_fp32").rollout.local.dtype is None
+    assert [cfg(k).trainer.minibatches for k in ("k1", "k2", "k8")] == [1, 2, 8]
+    assert cfg("experts128").model.model_config().num_experts == 128
+    assert cfg("lr_1e-4").optim.lr == 1e-4
     both = cfg("bf16_both")
     assert both.model.dtype == "bf16" and both.rollout.local.backend == "hf"
     assert cfg("pi_old_engine_bf16").rollout.old_logprobs == "engine"
