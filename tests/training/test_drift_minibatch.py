@@ -48,3 +48,27 @@ def test_recording_routes_in_a_training_forward_changes_no_result(tmp_path):
     assert on["losses"] == off["losses"]
     assert len(on["params"]) == len(off["params"])
     assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]])
+def test_drift_from_the_training_forward_in_model_parallel_layouts(tmp_path, layout):
+    """The second minibatch's training forward records routes through 1F1B (pipeline stages hold other layers)
+    and sequence-parallel slices (gathered over TP): the drift is the one computed here from every stage's own
+    independent forwards of that minibatch before and after the first optimizer step."""
+    ranks = run_distributed(drift_step, str(tmp_path / "r"), layout, True, world_size=2)
+    stages = {tuple(r["layers"]): r["probe"] for r in ranks}  # PP: one entry per stage; TP: equal copies
+    order = sorted(stages)
+    assert [layer for ids in order for layer in ids] == [0, 1, 2, 3]
+
+    def merged(side):
+        first = stages[order[0]][side][1]
+        return {i: [[ids for ids_stage in (stages[o][side][1][i][t] for o in order) for ids in ids_stage]
+                    for t in range(len(first[i]))] for i in first}
+
+    want, tokens = _expected_drift(merged("before"), merged("after"), stages[order[0]]["rows"][1], ranks[0]["topk"])
+    assert want > 0
+    for r in ranks:
+        assert r["passes"] == 0
+        assert r["drift"]["expert_drift_num_tokens"] == tokens
+        assert r["drift"]["expert_drift"] == pytest.approx(want, abs=1e-12)

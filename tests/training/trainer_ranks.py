@@ -267,6 +267,7 @@ def drift_step(run_dir: str, overrides: list[str], probe: bool) -> dict:
         params = [p.detach().clone() for m in trainer.rt.models for p in m.parameters()]
         losses = [u["loss_parts"] for u in updates]
         return dict(passes=passes[0], drift=updates[0]["drift"], params=params, losses=losses, probe=probed,
-                    topk=trainer.routing.rr.topk if trainer.routing.active else None)
+                    topk=trainer.routing.rr.topk if trainer.routing.active else None,
+                    layers=list(trainer.routing.rr.layer_ids) if trainer.routing.active else None)
     finally:
         trainer.close()
