@@ -351,7 +351,8 @@ class GSPOTrainer:
         drift_k = self.routing.drift_minibatch(t.minibatches) if measure else -1
         for k, (minibatch, micro) in enumerate(self.micro_batcher.minibatches(batch, t.minibatches)):
             seq_length, mbs = schedule_shape(micro)
-            records = k == drift_k and k > 0  # RECORD computes the routes as free routing does (megatron's RouterReplay)
+            # megatron's RouterReplay RECORD routes as free routing does (the same top-k), and keeps the ids.
+            records = k == drift_k and k > 0
             with self.routing.record() if records else self.routing.training_pass() as recording:
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs,
                                          units_of=policy_units(loss_fn))

@@ -49,7 +49,8 @@ def test_one_part_equals_the_formula_bit_for_bit():
         for key, value in part.items():
             bucket, _, name = key.rpartition("/")
             reduction = METRIC_REDUCTIONS[name]
-            w = None if reduction in ("sum", "min", "max") else float(part[f"{bucket}/{reduction}" if bucket else reduction])
+            weight_key = f"{bucket}/{reduction}" if bucket else reduction
+            w = None if reduction in ("sum", "min", "max") else float(part[weight_key])
             want = _want(float(value), reduction, w)
             g = float(got[key])
             assert got[key].dtype == torch.float32 and got[key].shape == ()

@@ -85,8 +85,8 @@ def test_packing_matches_an_element_by_element_reference(multiturn):
     for i in range(40):
         p = rng.randint(1, 6)
         m = rng.randint(0, seq_len + 1 - p)
-        r = Rollout(prompt_ids=[rng.randint(1, 30) for _ in range(p)], response_ids=[rng.randint(1, 30) for _ in range(m)],
-                    logprobs=[-rng.random() * 3 for _ in range(m)], finish_reason="stop", weight_version=i % 3)
+        r = Rollout(prompt_ids=[rng.randint(1, 30) for _ in range(p)],
+                    response_ids=[rng.randint(1, 30) for _ in range(m)], logprobs=[-rng.random() * 3 for _ in range(m)], finish_reason="stop", weight_version=i % 3)
         if multiturn:
             r.loss_mask = [rng.randint(0, 1) for _ in range(m)]
         rollouts.append(r)
