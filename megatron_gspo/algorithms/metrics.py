@@ -177,23 +177,52 @@ def combine_metrics(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
     """
     if not parts:
         raise ValueError("combine_metrics needs at least one part")
-    out: dict[str, torch.Tensor] = {}
+    if len(parts) == 1:
+        return _one_part(parts[0])
+    return _general(parts)
+
+
+def _general(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     keys = list(dict.fromkeys(key for p in parts for key in p))
-    for key in keys:
+    return {key: _combine_key(key, [p for p in parts if key in p]) for key in keys}
+
+
+def _combine_key(key: str, holders: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    bucket, _, name = key.rpartition("/")
+    reduction = METRIC_REDUCTIONS.get(name)
+    if reduction is None:
+        raise ValueError(f"metric {key!r} has no reduction rule; add it to METRIC_REDUCTIONS")
+    values = torch.stack([p[key].detach().to(torch.float64) for p in holders])
+    if reduction == "sum":
+        return _fp32(values.sum())
+    if reduction == "min":
+        return _fp32(values.min())
+    if reduction == "max":
+        return _fp32(values.max())
+    weight_key = f"{bucket}/{reduction}" if bucket else reduction
+    weights = torch.stack([p[weight_key].detach().to(torch.float64) for p in holders])
+    return _fp32(_safe_mean((values * weights).sum(), weights.sum()))
+
+
+def _one_part(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`combine_metrics([part])` without its ~8 tensor ops per key (a minibatch of one micro-batch: every update
+    of a small RL step). min / max / sum of one value are the value (a sum: -0.0 becomes +0.0); a weighted mean
+    of one fp32 value v with an integer weight 1 <= w < 2^29 is (v * w) / w in fp64, exact (the product needs at
+    most 24 + 29 bits), so v (-0.0 again +0.0). Any other key (an fp64 value, a zero or fractional weight, a
+    tensor off the CPU, where float(weight) would be a device sync) is combined as with several parts."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in part.items():
         bucket, _, name = key.rpartition("/")
         reduction = METRIC_REDUCTIONS.get(name)
-        if reduction is None:
-            raise ValueError(f"metric {key!r} has no reduction rule; add it to METRIC_REDUCTIONS")
-        holders = [p for p in parts if key in p]
-        values = torch.stack([p[key].detach().to(torch.float64) for p in holders])
-        if reduction == "sum":
-            out[key] = _fp32(values.sum())
-        elif reduction == "min":
-            out[key] = _fp32(values.min())
-        elif reduction == "max":
-            out[key] = _fp32(values.max())
-        else:
-            weight_key = f"{bucket}/{reduction}" if bucket else reduction
-            weights = torch.stack([p[weight_key].detach().to(torch.float64) for p in holders])
-            out[key] = _fp32(_safe_mean((values * weights).sum(), weights.sum()))
+        fast = reduction is not None and value.dtype == torch.float32 and value.numel() == 1
+        fast = fast and value.device.type == "cpu"
+        if fast and reduction in ("min", "max"):
+            out[key] = value.detach().reshape(()).clone()
+            continue
+        if fast and reduction != "sum":
+            weight = part.get(f"{bucket}/{reduction}" if bucket else reduction)
+            w = float(weight) if weight is not None and weight.numel() == 1 and weight.device.type == "cpu" else 0.0
+            fast = 1.0 <= w < 2.0**29 and w == int(w)
+        # + 0.0: a sum (also the weighted mean's) of a single -0.0 is +0.0; every other value stays as it is.
+        out[key] = value.detach().reshape(()) + 0.0 if fast else _combine_key(key, [part])
     return out

@@ -23,11 +23,20 @@ def bucket_key(staleness: int, name: str) -> str:
 
 
 def by_staleness(
-    staleness_N: torch.Tensor, compute: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    staleness_N: torch.Tensor,
+    compute: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    whole: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`compute(rows_N)` (bool row selection) for each staleness present, its keys prefixed by the bucket."""
+    """`compute(rows_N)` (bool row selection) for each staleness present, its keys prefixed by the bucket.
+
+    `whole`: `compute` of all rows when the caller has it already; a batch of one staleness (synchronous RL:
+    every batch) then gets copies of it instead of a recomputation over the same rows (the same values: the
+    same ops on the same values)."""
     out: dict[str, torch.Tensor] = {}
-    for s in sorted({int(v) for v in staleness_N.tolist()}):
+    present = sorted({int(v) for v in staleness_N.tolist()})
+    if whole is not None and len(present) == 1:
+        return {bucket_key(present[0], name): value.clone() for name, value in whole.items()}
+    for s in present:
         for name, value in compute(staleness_N == s).items():
             out[bucket_key(s, name)] = value
     return out

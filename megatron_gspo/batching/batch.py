@@ -165,28 +165,48 @@ def pack_rollouts(
     `token_advantages` (one per response token; multi-turn per-turn advantages) go to `extra['token_advantages_NS']`
     at the response positions, which the per-token losses then take instead of `advantages_N`."""
     n = len(rollouts)
-    tokens = torch.full((n, seq_len + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, seq_len), dtype=torch.bool)
-    engine_lp = torch.zeros((n, seq_len), dtype=torch.float32)
-    p_lens = torch.zeros(n, dtype=torch.long)
-    r_lens = torch.zeros(n, dtype=torch.long)
-    token_adv = None if token_advantages is None else torch.zeros((n, seq_len), dtype=torch.float32)
+    # Rows are built as Python lists and become tensors in one call each: a per-row loop of slice assignments
+    # cost ~60 us per rollout (30 ms of a 512-answer RL step). Same values: float32 from the same Python floats.
+    tokens_rows, mask_rows, lp_rows, adv_rows = [], [], [], []
+    p_lens, r_lens = [], []
     for i, r in enumerate(rollouts):
-        seq = list(r.prompt_ids) + list(r.response_ids)
+        seq = [*r.prompt_ids, *r.response_ids]
         if len(seq) > seq_len + 1:
             raise ValueError(
                 f"rollout {i} has {len(seq)} tokens but the batch holds {seq_len + 1}; raise rollout.max_new_tokens "
                 "or shorten prompts"
             )
-        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        start = len(r.prompt_ids) - 1
+        p, m = len(r.prompt_ids), len(r.response_ids)
+        if p < 1:
+            raise ValueError(f"rollout {i} has an empty prompt: the model needs at least one input token")
+        start, tail = p - 1, seq_len - (p - 1) - m  # response positions start .. start + m - 1 of seq_len
+        tokens_rows.append(seq + [pad_id] * (seq_len + 1 - len(seq)))
         # Multi-turn trajectories: the environment's tokens are inputs, never labels of the loss.
-        model_tokens = True if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.bool)
-        mask[i, start : start + len(r.response_ids)] = model_tokens
-        engine_lp[i, start : start + len(r.response_ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
-        if token_adv is not None:
-            token_adv[i, start : start + len(r.response_ids)] = torch.tensor(token_advantages[i], dtype=torch.float32)
-        p_lens[i], r_lens[i] = len(r.prompt_ids), len(r.response_ids)
+        model_tokens = [True] * m if r.loss_mask is None else [bool(v) for v in r.loss_mask]
+        if len(model_tokens) != m or len(r.logprobs) != m:
+            raise ValueError(f"rollout {i} has {m} response tokens but {len(model_tokens)} loss-mask entries and "
+                             f"{len(r.logprobs)} log-probs")
+        mask_rows.append([False] * start + model_tokens + [False] * tail)
+        lp_rows.append([0.0] * start + [float(v) for v in r.logprobs] + [0.0] * tail)
+        if token_advantages is not None:
+            if len(token_advantages[i]) != m:
+                raise ValueError(f"rollout {i} has {m} response tokens but {len(token_advantages[i])} token advantages")
+            adv_rows.append([0.0] * start + [float(v) for v in token_advantages[i]] + [0.0] * tail)
+        p_lens.append(p)
+        r_lens.append(m)
+    if n:
+        tokens = torch.tensor(tokens_rows, dtype=torch.long)
+        mask = torch.tensor(mask_rows, dtype=torch.bool)
+        engine_lp = torch.tensor(lp_rows, dtype=torch.float32)
+    else:
+        tokens = torch.full((0, seq_len + 1), pad_id, dtype=torch.long)
+        mask = torch.zeros((0, seq_len), dtype=torch.bool)
+        engine_lp = torch.zeros((0, seq_len), dtype=torch.float32)
+    token_adv = None
+    if token_advantages is not None:
+        token_adv = torch.tensor(adv_rows, dtype=torch.float32) if n else torch.zeros((0, seq_len), dtype=torch.float32)
+    p_lens = torch.tensor(p_lens, dtype=torch.long)
+    r_lens = torch.tensor(r_lens, dtype=torch.long)
     return RolloutBatch(
         tokens_NL=tokens,
         loss_mask_NS=mask,

@@ -28,7 +28,8 @@ class MoEConfig:
     trainer routing mismatch (from the same recording) is reported on drift steps only; R2 records, and reports
     the mismatch, every step."""
     drift_sample_sequences: int = 0
-    """Sequences used for the drift measurement; 0 = the whole first minibatch."""
+    """Sequences used for the drift measurement; 0 = the whole drift minibatch (the second with free routing and
+    K >= 2 minibatches, measured in its own training forward; else the first, with one extra forward)."""
     drift_rollout: bool = False
     """Also measure the drift accumulated over the rollout batch (pi_old vs the policy after all K optimizer steps,
     `expert_drift_rollout*`) on drift steps: one more forward of the drift sample per such step, so it is opt-in;

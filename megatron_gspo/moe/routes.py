@@ -202,9 +202,26 @@ class RouteStore:
         if first.dim() != 3:
             raise ValueError(f"routes must be [tokens, layers, topk], got shape {tuple(first.shape)}")
         store = cls(num_experts, first.shape[2], range(first.shape[1]) if layer_ids is None else layer_ids)
+        # The ids of all sequences are checked at once (the checks are per token); only when that finds a fault
+        # does `add` check sequence by sequence, which raises the error naming the first faulty one.
+        valid = store._all_valid([r for _, r in items])
         for index, routes_TLK in items:
-            store.add(index, routes_TLK)
+            store.add(index, routes_TLK, validate=not valid)
         return store
+
+    def _all_valid(self, routes: list[torch.Tensor]) -> bool:
+        """Whether every tensor passes `add`'s checks: shape, integer dtype, ids in range, distinct per token."""
+        shape = (len(self.layer_ids), self.topk)
+        if any(r.dim() != 3 or r.shape[1:] != shape or r.dtype.is_floating_point or r.dtype == torch.bool
+               for r in routes) or len({r.device for r in routes}) > 1:
+            return False
+        ids = torch.cat([r.to(torch.int64) for r in routes])
+        if not ids.numel():
+            return True
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_experts:
+            return False
+        ordered = ids.sort(dim=-1).values
+        return not (self.topk > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()))
 
     @classmethod
     def from_rollouts(cls, rollouts: Sequence, num_experts: int, *, first_index: int = 0) -> RouteStore:

@@ -3,9 +3,16 @@
 - off: routers route freely; drift is still measured (it is the paper's §5.3 statistic for every algorithm).
 - r2: the old-policy pass records routes (RECORD); every training forward of the rollout batch replays them.
 - r3: the rollout engine's routes are replayed in the old-policy pass and in training.
-Drift: routes of the drift sample under pi_old (before the step) vs after the first optimizer step, over
+Drift: routes of the drift sample under pi_old (before the step) vs after exactly one optimizer step, over
 response tokens: 1 - mean |S_old ∩ S_new| / k, plus the fraction of tokens whose set changed in any layer
 (`expert_drift*`); the same after all K optimizer steps of the rollout batch (`expert_drift_rollout*`).
+The drift sample is a minibatch's sequences (or its first `moe.drift_sample_sequences`), routed under pi_old in
+the old-policy pass (which records them). Which minibatch (`RoutingControl.drift_minibatch`): with free routing
+(no replay) and K >= 2 the second one, whose own training forward runs after exactly one optimizer step (the
+first minibatch's) and routes freely, so recording that forward gives the "after" routes at no extra forward;
+otherwise (K = 1, or R2 / R3, whose training forwards replay routes) the first, routed again by one extra
+forward-only pass after the first optimizer step. Both are the same statistic of an equally drawn sample: the
+minibatches are contiguous slices of one rollout batch whose groups are in a random order.
 Drift and routing mismatch are statistics of all data-parallel replicas' tokens together (not rank 0's share).
 """
 
@@ -53,6 +60,12 @@ class RoutingControl:
         else:
             layout = TokenLayout.padded((mb.prompt_lens_N + mb.response_lens_N - 1).tolist(), self.seq_len)
         self.rr.set_microbatch(mb.seq_index_N.tolist(), layout)
+
+    def drift_minibatch(self, minibatches: int) -> int:
+        """The minibatch (0-based) whose sequences the drift is measured on: 1 when its training forward can give
+        the "after" routes (free routing, K >= 2: it runs after exactly one optimizer step, that of minibatch 0),
+        else 0 (an extra forward after the first optimizer step routes them again)."""
+        return 1 if minibatches >= 2 and not self.moe.replays else 0
 
     def records_old_policy(self, measure: bool) -> bool:
         """Whether the old-policy pass records routes: always for R2 (training replays them); with replay off only
@@ -158,14 +171,15 @@ class RoutingControl:
             self.rr.close()
 
 
-def drift_sample(batch: RolloutBatch, minibatches: int, sample_sequences: int) -> RolloutBatch:
-    """The sequences the drift is measured on: the first minibatch, or its first `sample_sequences`."""
-    return drift_rows(batch.split(minibatches)[0], sample_sequences)
+def drift_sample(batch: RolloutBatch, minibatches: int, sample_sequences: int, index: int = 0) -> RolloutBatch:
+    """The sequences the drift is measured on: minibatch `index` (`RoutingControl.drift_minibatch`), or its first
+    `sample_sequences`."""
+    return drift_rows(batch.split(minibatches)[index], sample_sequences)
 
 
-def drift_rows(first_minibatch: RolloutBatch, sample_sequences: int) -> RolloutBatch:
-    """The drift sample of a rollout batch from its first minibatch: all of it, or its first `sample_sequences`."""
-    if sample_sequences and sample_sequences < first_minibatch.num_sequences:
-        return first_minibatch.rows(slice(0, sample_sequences))
-    return first_minibatch
+def drift_rows(minibatch: RolloutBatch, sample_sequences: int) -> RolloutBatch:
+    """The drift sample of a rollout batch from its drift minibatch: all of it, or its first `sample_sequences`."""
+    if sample_sequences and sample_sequences < minibatch.num_sequences:
+        return minibatch.rows(slice(0, sample_sequences))
+    return minibatch
 

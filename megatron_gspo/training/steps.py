@@ -124,7 +124,7 @@ def policy_forward_step(
             if consumer_version is not None and mb.weight_version_N is not None:
                 with torch.no_grad():
                     metrics.update(by_staleness(consumer_version - mb.weight_version_N,
-                                                lambda rows: loss_of(rows, detach=True).metrics))
+                                                lambda rows: loss_of(rows, detach=True).metrics, whole=metrics))
             units = torch.tensor(units_of(mb), dtype=torch.int, device=mb.tokens_NL.device)
             return res.loss, units, metrics
 

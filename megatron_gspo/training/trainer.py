@@ -296,7 +296,9 @@ class GSPOTrainer:
                     # A forward only to record pi_old's routes of the drift sample: skipped on steps that do not
                     # report drift, and under R3 (the engine's routes are the "before" side).
                     if self.routing.records_old_policy(measure):
-                        sample = drift_sample(batch, self.cfg.trainer.minibatches, self.moe.drift_sample_sequences)
+                        k = self.cfg.trainer.minibatches
+                        sample = drift_sample(batch, k, self.moe.drift_sample_sequences,
+                                              index=self.routing.drift_minibatch(k))
                         self.compute_logprobs(sample)
         else:
             with self.routing.old_policy_pass(batch.rollouts, batch, measure=measure):
@@ -343,18 +345,27 @@ class GSPOTrainer:
         fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward, logprob_path=t.logprob_path,
                                   consumer_version=self.step)
         sample = None
+        # The minibatch the drift is measured on (routing.py): 1 = its own training forward records the "after"
+        # routes (free routing, after exactly one optimizer step); 0 = an extra forward after the first step.
+        measure = self.routing.active and self.moe.measure_drift(self.step + 1)
+        drift_k = self.routing.drift_minibatch(t.minibatches) if measure else -1
         for k, (minibatch, micro) in enumerate(self.micro_batcher.minibatches(batch, t.minibatches)):
             seq_length, mbs = schedule_shape(micro)
-            with self.routing.training_pass():
+            # megatron's RouterReplay RECORD routes as free routing does (the same top-k), and keeps the ids.
+            records = k == drift_k and k > 0
+            with self.routing.record() if records else self.routing.training_pass() as recording:
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs,
                                          units_of=policy_units(loss_fn))
+            if records:
+                sample = drift_rows(minibatch, self.moe.drift_sample_sequences)
+                drift = self.routing.drift(recording.routes, sample)
             loss_metrics = combine_metrics(parts) if parts else {}
             if k == 0 and self.cfg.rollout.old_logprobs == "engine":
                 # Before the first optimizer step pi_theta is the training engine's pi_old, so the first
                 # minibatch's ratios against the engine's log-probs are the train / inference mismatch.
                 engine_mismatch = dict(loss_metrics)
             ok, grad_norm = self._optimizer_step()
-            if k == 0 and self.routing.active and self.moe.measure_drift(self.step + 1):
+            if k == drift_k == 0:
                 sample = drift_rows(minibatch, self.moe.drift_sample_sequences)
                 drift = self.measure_drift(sample)
             metrics.append(
@@ -374,8 +385,8 @@ class GSPOTrainer:
         return metrics
 
     def measure_drift(self, sample: RolloutBatch, prefix: str = "expert_drift") -> dict:
-        """Expert drift since pi_old (paper §5.3): routes of the drift sample (the first minibatch's first
-        moe.drift_sample_sequences, `drift_rows`) under pi_old vs the current weights."""
+        """Expert drift since pi_old (paper §5.3): routes of the drift sample (`drift_rows` of the drift
+        minibatch) under pi_old vs the current weights, by one forward-only pass."""
         with self.routing.record() as rec:
             self.compute_logprobs(sample)
         return self.routing.drift(rec.routes, sample, prefix=prefix)

@@ -71,3 +71,24 @@ def test_only_stale_buckets_are_worth_reporting():
     assert not has_stale_buckets(["staleness_0/clip_frac_low_tok", "clip_frac_low_tok"])
     assert has_stale_buckets(["staleness_0/samples", "staleness_3/samples"])
     assert not has_stale_buckets(["mismatch_kl"])
+
+
+def test_a_batch_of_one_staleness_takes_the_batch_metrics_without_recomputing():
+    lp, old, mask = ref.make_batch(LENGTHS, T, seq_offsets=[3e-4, -5e-4, 1e-5, 6e-4, -1e-5, 2e-4, -7e-4, 1e-3],
+                                   token_noise=0.05, seed=112)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, -1.5, 0.3, -0.4, 0.9], dtype=torch.float64)
+    calls = []
+
+    def compute(sel):
+        calls.append(sel)
+        return gspo_loss(lp.detach()[sel], old[sel], adv[sel], mask[sel]).metrics
+
+    whole = gspo_loss(lp.detach(), old, adv, mask).metrics
+    one = by_staleness(torch.full((8,), 3), compute, whole=whole)
+    assert calls == [] and sorted(one) == sorted(f"staleness_3/{k}" for k in whole)
+    # What it stands for: the recomputation over all rows (a bool selection of every row) gives the same bits.
+    recomputed = by_staleness(torch.full((8,), 3), compute)
+    assert len(calls) == 1
+    assert all(torch.equal(one[k], recomputed[k]) for k in one)
+    mixed = by_staleness(STALENESS, compute, whole=whole)
+    assert len(calls) == 4 and {k.split("/")[0] for k in mixed} == {"staleness_0", "staleness_1", "staleness_2"}

@@ -85,6 +85,19 @@ def test_attention_blocks_group_short_sequences_and_isolate_long_ones():
     assert torch.equal(mask, expected.bool())
 
 
+def test_block_causal_mask_against_a_per_pair_reference():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(20):
+        lengths = [rng.randint(1, 6) for _ in range(rng.randint(1, 12))]
+        cuts = [sum(lengths[:i]) for i in range(len(lengths))]
+        total = sum(lengths)
+        seq_of = [i for i, n in enumerate(lengths) for _ in range(n)]
+        want = [[seq_of[q] == seq_of[k] and k <= q for k in range(total)] for q in range(total)]
+        assert torch.equal(block_causal_mask(total, cuts, "cpu"), torch.tensor(want))
+
+
 def test_balanced_bins_and_token_budget():
     lengths = [24, 4, 14, 2, 17, 16, 13, 15]
     bins = balanced_bins(lengths, 3)

@@ -120,3 +120,23 @@ def test_from_rollouts_r3_storage():
     rollouts[1].routed_experts = None
     with pytest.raises(ValueError, match="routed experts"):
         RouteStore.from_rollouts(rollouts, num_experts=8)
+
+
+def test_from_sequences_checks_every_sequence_and_names_the_first_faulty_one():
+    good = [random_routes(3, seed=s) for s in range(5)]
+    store = RouteStore.from_sequences(good, num_experts=8)
+    assert store.seq_indices == list(range(5)) and all(torch.equal(store[i], good[i]) for i in range(5))
+    out_of_range = [*good[:2], torch.full((2, 3, 2), 8, dtype=torch.uint8), *good[2:]]
+    with pytest.raises(ValueError, match="sequence 2 hold expert ids outside"):
+        RouteStore.from_sequences(out_of_range, num_experts=8)
+    repeated = dict(enumerate(good))
+    repeated[7] = torch.zeros(2, 3, 2, dtype=torch.uint8)
+    repeated[9] = torch.full((2, 3, 2), 9, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="sequence 7 repeat an expert"):
+        RouteStore.from_sequences(repeated, num_experts=8)
+    with pytest.raises(ValueError, match=r"sequence 1 have shape \(2, 4, 2\)"):
+        RouteStore.from_sequences([good[0], torch.zeros(2, 4, 2, dtype=torch.uint8), good[1]], num_experts=8)
+    with pytest.raises(ValueError, match="sequence 1 must be integer"):
+        RouteStore.from_sequences([good[0], good[1].float()], num_experts=8)
+    empty = RouteStore.from_sequences([torch.zeros(0, 3, 2, dtype=torch.uint8), good[0]], num_experts=8)
+    assert empty[0].shape == (0, 3, 2)

@@ -209,3 +209,65 @@ def routing_statistics_follow_drift_every(run_dir: str, old_logprobs: str) -> di
         return dict(steps=steps)
     finally:
         trainer.close()
+
+
+def drift_step(run_dir: str, overrides: list[str], probe: bool) -> dict:
+    """One RL step (collect, old log-probs, K updates) with expert drift measured. Returns the forward-only passes
+    the trainer ran, its drift metrics, the parameters after the step and the per-minibatch losses. `probe`: also
+    route every minibatch independently, by a forward of our own recording routes, under pi_old (before the
+    updates) and after exactly one optimizer step (right after the first), with the token rows they count."""
+    from megatron_gspo.training.config import load_run_config
+    from megatron_gspo.training.trainer import GSPOTrainer
+
+    cfg = load_run_config("examples/tiny_moe_gspo.yaml", [
+        *MINI, f"trainer.run_dir={run_dir}", "trainer.steps=1", "trainer.save_final=false", "optim.lr=0.05",
+        "data.reward=tests.training.rewards:contains_one",
+        *overrides,
+    ])
+    trainer = GSPOTrainer(cfg)
+    compute, step = trainer.compute_logprobs, trainer._optimizer_step
+    passes, steps = [0], []
+
+    def counted(batch):
+        passes[0] += 1
+        return compute(batch)
+
+    def routes_of(minibatches):
+        out = []
+        for mb in minibatches:
+            with trainer.routing.rr.record() as rec:
+                compute(mb)
+            out.append({int(i): rec.routes[int(i)].to(torch.int64).tolist() for i in mb.seq_index_N.tolist()})
+        return out
+
+    probed: dict = {}
+    minibatches: list = []
+
+    def stepped():
+        result = step()
+        steps.append(1)
+        if probe and len(steps) == 1:
+            probed["after"] = routes_of(minibatches)
+        return result
+
+    trainer.compute_logprobs, trainer._optimizer_step = counted, stepped
+    try:
+        batch, _ = trainer.collect(step_seed=trainer.step)
+        trainer.old_logprobs(batch)
+        if probe:
+            minibatches.extend(batch.split(cfg.trainer.minibatches))
+            probed["before"] = routes_of(minibatches)
+            probed["rows"] = [
+                {int(i): list(range(int(p) - 1, int(p) + int(r) - 1))
+                 for i, p, r in zip(mb.seq_index_N.tolist(), mb.prompt_lens_N.tolist(), mb.response_lens_N.tolist())}
+                for mb in minibatches
+            ]
+        passes[0] = 0
+        updates = trainer.update(batch)
+        params = [p.detach().clone() for m in trainer.rt.models for p in m.parameters()]
+        losses = [u["loss_parts"] for u in updates]
+        return dict(passes=passes[0], drift=updates[0]["drift"], params=params, losses=losses, probe=probed,
+                    topk=trainer.routing.rr.topk if trainer.routing.active else None,
+                    layers=list(trainer.routing.rr.layer_ids) if trainer.routing.active else None)
+    finally:
+        trainer.close()

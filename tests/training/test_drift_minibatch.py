@@ -1,0 +1,74 @@
+"""Expert drift (GSPO §5.3): routes of the same tokens under pi_old vs after exactly one optimizer step. With free
+routing and K >= 2 the second minibatch's own training forward gives the "after" routes (no extra forward);
+K = 1 and routing replay keep the extra forward of the first minibatch. Checked against routes of our own
+forwards and a drift computed here; recording in a training forward must not change training by a bit."""
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.training.trainer_ranks import drift_step
+
+
+def _expected_drift(before: dict, after: dict, rows: dict, topk: int) -> tuple[float, int]:
+    """1 - mean over layers of (sum over counted tokens of |S_before ∩ S_after|) / (k * tokens)."""
+    layers = len(next(iter(before.values()))[0])
+    overlap, tokens = [0] * layers, 0
+    for i, counted in rows.items():
+        for t in counted:
+            tokens += 1
+            for layer in range(layers):
+                overlap[layer] += len(set(before[i][t][layer]) & set(after[i][t][layer]))
+    return sum(1 - o / (topk * tokens) for o in overlap) / layers, tokens
+
+
+@pytest.mark.parametrize("overrides, minibatch, extra_forward", [
+    ([], 1, False),                                                 # defaults: K = 4, free routing
+    (["trainer.minibatches=1"], 0, True),                           # no second minibatch
+    (["moe.routing_replay=r2"], 0, True),                           # training forwards replay routes
+    (["moe.drift_sample_sequences=3"], 1, False),                   # the first 3 sequences of the minibatch
+])
+def test_drift_is_one_update_on_the_drift_minibatch(tmp_path, overrides, minibatch, extra_forward):
+    out = run_distributed(drift_step, str(tmp_path / "r"), overrides, True, world_size=1)[0]
+    probe = out["probe"]
+    rows = probe["rows"][minibatch]
+    if "moe.drift_sample_sequences=3" in overrides:
+        rows = dict(list(rows.items())[:3])
+    want, tokens = _expected_drift(probe["before"][minibatch], probe["after"][minibatch], rows, out["topk"])
+    assert want > 0, "lr 0.05 should move some routes: the comparison would be vacuous"
+    assert out["drift"]["expert_drift_num_tokens"] == tokens
+    assert out["drift"]["expert_drift"] == pytest.approx(want, abs=1e-12)
+    assert out["passes"] == (1 if extra_forward else 0)  # forward-only passes during the K updates
+
+
+def test_recording_routes_in_a_training_forward_changes_no_result(tmp_path):
+    on = run_distributed(drift_step, str(tmp_path / "on"), [], False, world_size=1)[0]
+    off = run_distributed(drift_step, str(tmp_path / "off"), ["moe.drift_every=0"], False, world_size=1)[0]
+    assert "expert_drift" in on["drift"] and "expert_drift" not in off["drift"]
+    assert on["losses"] == off["losses"]
+    assert len(on["params"]) == len(off["params"])
+    assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]])
+def test_drift_from_the_training_forward_in_model_parallel_layouts(tmp_path, layout):
+    """The second minibatch's training forward records routes through 1F1B (pipeline stages hold other layers)
+    and sequence-parallel slices (gathered over TP): the drift is the one computed here from every stage's own
+    independent forwards of that minibatch before and after the first optimizer step."""
+    ranks = run_distributed(drift_step, str(tmp_path / "r"), layout, True, world_size=2)
+    stages = {tuple(r["layers"]): r["probe"] for r in ranks}  # PP: one entry per stage; TP: equal copies
+    order = sorted(stages)
+    assert [layer for ids in order for layer in ids] == [0, 1, 2, 3]
+
+    def merged(side):
+        first = stages[order[0]][side][1]
+        return {i: [[ids for ids_stage in (stages[o][side][1][i][t] for o in order) for ids in ids_stage]
+                    for t in range(len(first[i]))] for i in first}
+
+    want, tokens = _expected_drift(merged("before"), merged("after"), stages[order[0]]["rows"][1], ranks[0]["topk"])
+    assert want > 0
+    for r in ranks:
+        assert r["passes"] == 0
+        assert r["drift"]["expert_drift_num_tokens"] == tokens
+        assert r["drift"]["expert_drift"] == pytest.approx(want, abs=1e-12)
