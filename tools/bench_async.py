@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--shm-busy-loop-s", type=float, default=None,
                         help="vllm.shm_busy_loop_s of the shared server (default: vLLM's 1 s)")
     parser.add_argument("--mp-executor", action="store_true",
-                        help="vllm.worker_in_engine_core=false: vLLM's multiprocess executor (EngineCore + Worker)")
+                        help="vllm.worker_in_engine_core=false: vLLM's multiprocess executor")
     parser.add_argument("--trl-python", default=str(ROOT / ".bench-env" / "bin" / "python"))
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)

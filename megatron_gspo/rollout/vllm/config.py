@@ -90,16 +90,16 @@ class VLLMConfig(ServerConfig):
     """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
     shm_busy_loop_s: float | None = None
     """Seconds a vLLM process keeps spinning (sched_yield) for the next shared-memory message after a read before
-    it sleeps on a socket; null: vLLM 0.32's hard-coded 1 s. With vLLM's multiprocess executor (tp_size > 1, a
-    CPU thread binding, or worker_in_engine_core false), while the Worker generates, its EngineCore spins there
-    (about 0.45 core on a CPU host shared with the trainer); 0 stops that at a wake-up latency per engine step, a
-    few ms keep most of the speed. Launch mode: the plugin applies it in the servers (plugin.py), vLLM 0.32
-    only."""
+    it sleeps on a socket; null: vLLM 0.32's hard-coded 1 s. With vLLM's multiprocess executor (tp_size > 1,
+    a CPU thread binding, or worker_in_engine_core false), while the Worker generates, its EngineCore spins
+    there (about 0.45 core on a CPU host shared with the trainer); 0 stops that at a wake-up latency per
+    engine step, a few ms keep most of the speed. Launch mode: the plugin applies it in the servers
+    (plugin.py), vLLM 0.32 only."""
 
     worker_in_engine_core: bool = True
     """Launched servers at tp_size 1 with cpu_threads_bind 'nobind': the model's worker runs inside vLLM's
-    EngineCore process (vLLM's UniProcExecutor, named by import path in `--distributed-executor-backend`), so no
-    shared-memory queue links them and nothing spins on it: a one-thread CPU server takes ~1 core while it
+    EngineCore process (vLLM's UniProcExecutor, named by import path in `--distributed-executor-backend`), so
+    no shared-memory queue links them and nothing spins on it: a one-thread CPU server takes ~1 core while it
     generates instead of ~1.5 (launch.py says why the import path). GPU servers at tp_size 1 already run that
     executor (vLLM's default); false keeps vLLM's own choice (on CPU its multiprocess executor)."""
 
@@ -146,7 +146,9 @@ class VLLMConfig(ServerConfig):
                 "launches: remove it with vllm.mode=attach"
             )
         if not isinstance(self.worker_in_engine_core, bool):
-            raise ValueError(f"vllm.worker_in_engine_core={self.worker_in_engine_core!r} must be true or false")
+            raise ValueError(
+                f"vllm.worker_in_engine_core={self.worker_in_engine_core!r} must be true or false"
+            )
         check_ints(self, ("max_model_len", "kv_cache_memory_bytes", "seed", "cpu_threads"), minimum=0)
         check_ints(self, ("tp_size",), minimum=1)
         check_port(self, "port_base")
@@ -165,9 +167,9 @@ class VLLMConfig(ServerConfig):
     @property
     def in_process_worker(self) -> bool:
         """Whether launched servers get the in-process executor (worker_in_engine_core): one worker
-        (tp_size 1), no CPU thread binding (which only vLLM's multiprocess executor applies, by setting OpenMP's
-        environment before it starts the worker: v1/executor/multiproc_executor.py, OMPProcessManager), and no
-        executor of the user's own in extra_server_args."""
+        (tp_size 1), no CPU thread binding (which only vLLM's multiprocess executor applies, by setting
+        OpenMP's environment before it starts the worker: v1/executor/multiproc_executor.py,
+        OMPProcessManager), and no executor of the user's own in extra_server_args."""
         return (self.worker_in_engine_core and self.tp_size == 1 and self.cpu_threads_bind == "nobind"
                 and not any(a.split("=", 1)[0] == EXECUTOR_FLAG for a in self.extra_server_args))
 

@@ -12,8 +12,8 @@ CAPTURE_EXTENSION = "megatron_gspo.rollout.vllm.worker.RoutingCaptureExtension"
 IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 """vLLM's single-worker executor by import path (`vllm.worker_in_engine_core`). Not 'uni': vLLM 0.32's CPU
 platform turns 'uni' into 'mp' while V1 multiprocessing is on (platforms/cpu.py:334-341, CpuPlatform.
-check_and_update_config, for OpenMP binding) and only compares the string, whereas an import path is resolved as
-is (v1/executor/abstract.py Executor.get_class). On GPU at tp_size 1 'uni' is vLLM's default
+check_and_update_config, for OpenMP binding) and only compares the string, whereas an import path is resolved
+as is (v1/executor/abstract.py Executor.get_class). On GPU at tp_size 1 'uni' is vLLM's default
 (config/parallel.py:1079-1080): the same class. Left out when vllm.extra_server_args names an executor."""
 
 

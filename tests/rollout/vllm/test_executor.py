@@ -25,7 +25,9 @@ def test_vllms_own_executor_otherwise(change):
     assert _executor(server_command(VLLMConfig(model_path="m", **change), 0)) == []
 
 
-@pytest.mark.parametrize("args", [["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=ray"]])
+@pytest.mark.parametrize(
+    "args", [["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=ray"]]
+)
 def test_an_executor_in_extra_server_args_is_the_only_one(args):
     cmd = server_command(VLLMConfig(model_path="m", extra_server_args=args), 0)
     assert cmd[-len(args):] == args
