@@ -1,7 +1,7 @@
 """Synchronous vs one-step-off vs asynchronous GSPO on the real vLLM CPU server, on a length-skewed task, in one run.
 
     .venv/bin/python tools/bench_async.py [--budget-s 240] [--seeds 1 2 3] [--rounds 1] [--run-dir runs/bench_async]
-        [--modes sync one_step_off async trl] [--shm-busy-loop-s S]
+        [--modes sync one_step_off async trl] [--shm-busy-loop-s S] [--mp-executor]
 
 One vLLM server (the tiny Qwen3-MoE, .venv-vllm) serves every run; each run is a `megatron-gspo train` process
 that attaches to it (pushing its own initial weights first) and trains examples/tiny_moe_gspo.yaml on the
@@ -24,7 +24,9 @@ run alternates with ours in every round and gets the same wall budget, from the 
 steps ending within the budget count (its own process stops itself at the next step's end).
 
 `--shm-busy-loop-s S` launches that server with vllm.shm_busy_loop_s=S (how long its processes spin on vLLM's
-shared-memory queues; every mode shares the server).
+shared-memory queues; every mode shares the server). `--mp-executor` launches it with
+vllm.worker_in_engine_core=false: vLLM's own multiprocess executor on CPU, whose EngineCore spins on its
+Worker's shared-memory queue (the default runs the worker inside the EngineCore, with no such queue).
 
 The machine's load is printed first and last (`uptime`): when it exceeds the machine's cores, the table says
 the figures were measured under load and are unreliable.
@@ -65,7 +67,7 @@ MODES = {
 }
 
 
-def start_server(root: Path, shm_busy_loop_s: float | None = None):
+def start_server(root: Path, shm_busy_loop_s: float | None = None, worker_in_engine_core: bool = True):
     """The vLLM server on a tiny model written by transformers (as tests/rollout/vllm do), and its pid."""
     import torch
     from transformers import Qwen3MoeForCausalLM
@@ -79,7 +81,8 @@ def start_server(root: Path, shm_busy_loop_s: float | None = None):
     Qwen3MoeForCausalLM(model.to_hf_config()).save_pretrained(root / "hf")
     cfg = VLLMConfig(model_path=str(root / "hf"), python=str(VLLM_PYTHON), port_base=_free_port(), dtype="float32",
                      max_model_len=MAX_LEN, kv_cache_memory_bytes=64_000_000, cpu_threads=1,
-                     startup_timeout_s=900, log_dir=str(root / "logs"), shm_busy_loop_s=shm_busy_loop_s)
+                     startup_timeout_s=900, log_dir=str(root / "logs"), shm_busy_loop_s=shm_busy_loop_s,
+                     worker_in_engine_core=worker_in_engine_core)
     engine = VLLMEngine(cfg)
     (proc,) = engine._supervisor.processes
     return engine, proc.pid
@@ -225,6 +228,8 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/bench_async")
     parser.add_argument("--shm-busy-loop-s", type=float, default=None,
                         help="vllm.shm_busy_loop_s of the shared server (default: vLLM's 1 s)")
+    parser.add_argument("--mp-executor", action="store_true",
+                        help="vllm.worker_in_engine_core=false: vLLM's multiprocess executor")
     parser.add_argument("--trl-python", default=str(ROOT / ".bench-env" / "bin" / "python"))
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -241,7 +246,7 @@ def main() -> None:
     loaded = _loaded()
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     spec_path = write_spec(run_dir, COMMON) if "trl" in args.modes else None
-    engine, server_pid = start_server(run_dir / "server", args.shm_busy_loop_s)
+    engine, server_pid = start_server(run_dir / "server", args.shm_busy_loop_s, not args.mp_executor)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     try:
         for r in range(args.rounds):

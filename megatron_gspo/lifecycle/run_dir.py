@@ -52,6 +52,7 @@ RESUMABLE = {
                                    "log_dir", "weight_sync_dir", "cpu_threads", "cpu_threads_bind")],
         "where the vLLM servers run and how they are reached (a requeued job runs on other nodes)",
     ),  # fmt: skip
+    "vllm.worker_in_engine_core": "vLLM server process layout: the same worker code, model and sampling",
 }
 """Config keys (fnmatch patterns) a resumed run may change, and why that is safe."""
 

@@ -94,7 +94,10 @@ def test_killed_async_run_with_partial_rollouts_resumes_and_the_shared_server_ta
     weights, and pushes those weights to the shared server first."""
     url = server.server_urls[0]
     run = tmp_path / "run"
-    attach = ["vllm.mode=attach", f"vllm.urls=[{url}]", "rollout.mode=async", "rollout.max_staleness=2"]
+    # 40 new tokens (MINI's 5 end each call in a few ms): generating outlasts a training step, so the producer
+    # runs its two calls instead of waiting on the staleness bound (the in-process server runs ~1 core)
+    attach = ["vllm.mode=attach", f"vllm.urls=[{url}]", "rollout.mode=async", "rollout.max_staleness=2",
+              "rollout.max_new_tokens=40"]
     proc, latest = _run_until_checkpoint(run, attach, "kill")
     proc.kill()
     proc.communicate(timeout=60)

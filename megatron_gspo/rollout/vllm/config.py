@@ -12,6 +12,7 @@ WEIGHT_TRANSPORTS = ("shm", "disk", "nccl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 TRAINER_WEIGHTS = "trainer"
+EXECUTOR_FLAG = "--distributed-executor-backend"
 
 
 def engine_logprobs_problem(logprobs_mode: str, temperature: float, top_p: float, top_k: int) -> str | None:
@@ -89,10 +90,18 @@ class VLLMConfig(ServerConfig):
     """CPU servers: OpenMP threads (OMP_NUM_THREADS; 0: vLLM / OpenMP default)."""
     shm_busy_loop_s: float | None = None
     """Seconds a vLLM process keeps spinning (sched_yield) for the next shared-memory message after a read before
-    it sleeps on a socket; null: vLLM 0.32's hard-coded 1 s. While the Worker generates, its EngineCore spins
-    there (about 0.45 core on a CPU host shared with the trainer); 0 stops that at a wake-up latency per engine
-    step, a few ms keep most of the speed. Launch mode: the plugin applies it in the servers (plugin.py), vLLM 0.32
-    only."""
+    it sleeps on a socket; null: vLLM 0.32's hard-coded 1 s. With vLLM's multiprocess executor (tp_size > 1,
+    a CPU thread binding, or worker_in_engine_core false), while the Worker generates, its EngineCore spins
+    there (about 0.45 core on a CPU host shared with the trainer); 0 stops that at a wake-up latency per
+    engine step, a few ms keep most of the speed. Launch mode: the plugin applies it in the servers
+    (plugin.py), vLLM 0.32 only."""
+
+    worker_in_engine_core: bool = True
+    """Launched servers at tp_size 1 with cpu_threads_bind 'nobind': the model's worker runs inside vLLM's
+    EngineCore process (vLLM's UniProcExecutor, named by import path in `--distributed-executor-backend`), so
+    no shared-memory queue links them and nothing spins on it: a one-thread CPU server takes ~1 core while it
+    generates instead of ~1.5 (launch.py says why the import path). GPU servers at tp_size 1 already run that
+    executor (vLLM's default); false keeps vLLM's own choice (on CPU its multiprocess executor)."""
 
     capture_routes: bool = False
     """R3 on CPU servers (which return no routes): record them with megatron-gspo's hooks on the MoE gates
@@ -136,6 +145,10 @@ class VLLMConfig(ServerConfig):
                 f"vllm.shm_busy_loop_s={self.shm_busy_loop_s!r} applies only to servers the trainer "
                 "launches: remove it with vllm.mode=attach"
             )
+        if not isinstance(self.worker_in_engine_core, bool):
+            raise ValueError(
+                f"vllm.worker_in_engine_core={self.worker_in_engine_core!r} must be true or false"
+            )
         check_ints(self, ("max_model_len", "kv_cache_memory_bytes", "seed", "cpu_threads"), minimum=0)
         check_ints(self, ("tp_size",), minimum=1)
         check_port(self, "port_base")
@@ -150,6 +163,15 @@ class VLLMConfig(ServerConfig):
         """Whether the servers run without chunked prefill (launch.py says why): partial rollouts (pause
         mode=keep) on servers that may be CPU ones (any transport but NCCL, which needs GPUs)."""
         return self.partial_rollouts and not self.return_routed_experts and self.weight_transport != "nccl"
+
+    @property
+    def in_process_worker(self) -> bool:
+        """Whether launched servers get the in-process executor (worker_in_engine_core): one worker
+        (tp_size 1), no CPU thread binding (which only vLLM's multiprocess executor applies, by setting
+        OpenMP's environment before it starts the worker: v1/executor/multiproc_executor.py,
+        OMPProcessManager), and no executor of the user's own in extra_server_args."""
+        return (self.worker_in_engine_core and self.tp_size == 1 and self.cpu_threads_bind == "nobind"
+                and not any(a.split("=", 1)[0] == EXECUTOR_FLAG for a in self.extra_server_args))
 
     @property
     def capture_spec(self) -> RoutingSpec | None:

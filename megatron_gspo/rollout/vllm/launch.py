@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_gspo.rollout.vllm.config import VLLMConfig
+from megatron_gspo.rollout.vllm.config import EXECUTOR_FLAG, VLLMConfig
 from megatron_gspo.rollout.vllm.plugin import BACKEND, BUSY_LOOP_ENV
 
 CAPTURE_EXTENSION = "megatron_gspo.rollout.vllm.worker.RoutingCaptureExtension"
+IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+"""vLLM's single-worker executor by import path (`vllm.worker_in_engine_core`). Not 'uni': vLLM 0.32's CPU
+platform turns 'uni' into 'mp' while V1 multiprocessing is on (platforms/cpu.py:334-341, CpuPlatform.
+check_and_update_config, for OpenMP binding) and only compares the string, whereas an import path is resolved
+as is (v1/executor/abstract.py Executor.get_class). On GPU at tp_size 1 'uni' is vLLM's default
+(config/parallel.py:1079-1080): the same class. Left out when vllm.extra_server_args names an executor."""
 
 
 def server_command(cfg: VLLMConfig, index: int, model_path: str | None = None) -> list[str]:
@@ -42,6 +48,8 @@ def server_command(cfg: VLLMConfig, index: int, model_path: str | None = None) -
         cmd.append("--enable-return-routed-experts")
     if cfg.capture_routes:
         cmd += ["--worker-extension-cls", CAPTURE_EXTENSION, "--no-enable-prefix-caching"]
+    if cfg.in_process_worker:
+        cmd += [EXECUTOR_FLAG, IN_PROCESS_EXECUTOR]
     if cfg.unchunked_prefill:
         # A partial rollout's re-prefill after a sync (prompt + answer so far) longer than a step's token budget
         # (2048 on CPU) is chunked; vLLM then moves the request's seeded generator with `set_offset`, which a CPU

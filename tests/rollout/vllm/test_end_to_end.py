@@ -2,7 +2,7 @@
 
 One server is started for the module (the tiny Qwen3-MoE, random weights written as an HF directory by
 transformers; no downloads; prefix caching off and our MoE gate hooks loaded, for the R3 tests) and shared by the
-first four tests, which attach to it; the kill test kills it mid-run
+first five tests, which attach to it; the kill test kills it mid-run
 and its `--resume` run launches its own server from the trainer's weights (`vllm.model_path: trainer`, our
 exporter). Server and trainer get one OpenMP thread each (the machine's 2 cores are shared).
 """
@@ -173,6 +173,50 @@ def test_preempted_requests_keep_their_routes(server):
     probe = json.dumps({"want": [REQUEST_ID_PREFIX + leftover], "forget": "none"})
     answer = _post(url, "/collective_rpc", {"method": "gspo_pop_routes", "args": [probe]})
     assert answer["results"] == [{}], "the leftover request's routes stay on the server"
+
+
+def _tree(pid: int) -> dict[int, str]:
+    """The process names (argv[0]) of `pid` and its descendants."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            out[p] = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode()
+            todo += [int(c) for t in os.listdir(f"/proc/{p}/task")
+                     for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _cpu_s(pids) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def test_the_cpu_servers_worker_runs_in_its_engine_core_and_nothing_spins_after_generating(server):
+    """Second in the module: the server still serves weight version 0, this engine's.
+    vllm.worker_in_engine_core (default): no VLLM::Worker process, and after a generate call the server's
+    processes idle. With vLLM's multiprocess executor its EngineCore spins 1 s on the Worker's shared-memory
+    queue after every read (shm_broadcast SpinCondition): 0.46-0.78 CPU s in the 2 s after a call here."""
+    from megatron_gspo.rollout.types import SamplingParams
+
+    (proc,) = server._supervisor.processes
+    names = _tree(proc.pid)
+    assert "VLLM::EngineCore" in names.values() and "VLLM::Worker" not in names.values(), names
+    server.generate([[3, 4, 5, 6]] * 4, SamplingParams(max_new_tokens=32, n=2, seed=3, temperature=1.0))
+    time.sleep(0.05)
+    before = _cpu_s(names)
+    time.sleep(2.0)
+    idle = _cpu_s(names) - before
+    print(f"\nserver CPU s in the 2 s after a generate call: {idle:.2f} (load {os.getloadavg()[0]:.1f})")
+    assert idle < 0.25, idle
 
 
 def _phases(url: str, run_dir: str) -> dict:

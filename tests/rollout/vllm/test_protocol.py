@@ -148,7 +148,8 @@ def test_server_command_and_environment():
         "--port", "9001", "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", "1",
         "--skip-tokenizer-init", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
         "--weight-transfer-config", '{"backend": "megatron_gspo"}', "--enforce-eager", "--max-model-len", "64",
-        "--kv-cache-memory-bytes", "1000", "--no-enable-chunked-prefill", "--x",
+        "--kv-cache-memory-bytes", "1000", "--distributed-executor-backend",
+        "vllm.v1.executor.uniproc_executor.UniProcExecutor", "--no-enable-chunked-prefill", "--x",
     ]  # fmt: skip
     # Chunked prefill stays vLLM's default where no sync continues requests, or on GPUs (NCCL).
     for other in (dict(partial_rollouts=False), dict(weight_transport="nccl")):
