@@ -213,6 +213,7 @@ class RolloutProducer:
         self._ready: dict[int, BatchResult] = {}
         self._cond = threading.Condition()
         self._generating = 0  # calls in flight
+        self._peak = 0  # the most calls in flight at once since the last take_times
         self._turns = 0
         self._error: BaseException | None = None
         self._times = {"time_producer_busy": 0.0, "time_producer_idle": 0.0, "time_wait_producer": 0.0,
@@ -253,6 +254,7 @@ class RolloutProducer:
                     index, items = self._next, next(self._sampler)
                     self._next += 1
                     self._generating += 1
+                    self._peak = max(self._peak, self._generating)
                     self._since[me] = ("time_producer_busy", time.monotonic())
                 try:
                     result = self._produce(index, items)
@@ -342,14 +344,17 @@ class RolloutProducer:
     def take_times(self) -> dict[str, float]:
         """Seconds since the last call: the producer generating / waiting (summed over its threads: with several
         calls in flight busy can exceed the wall time; a call or wait still running counts here for its share so
-        far), the trainer waiting for a batch / for the producer's calls before a weight sync or evaluation."""
+        far), the trainer waiting for a batch / for the producer's calls before a weight sync or evaluation; and
+        `producer_calls_peak`, the most generate calls in flight at once meanwhile (2+: the producer overlapped
+        its calls, whatever the seconds say on a loaded machine)."""
         with self._cond:
             now = time.monotonic()
             for thread, (kind, t0) in self._since.items():  # a call or wait in progress: its share so far
                 self._times[kind] += now - t0
                 self._since[thread] = (kind, now)
             times, self._times = self._times, dict.fromkeys(self._times, 0.0)
-        return times
+            peak, self._peak = self._peak, self._generating  # calls still in flight count for the next step too
+        return {**times, "producer_calls_peak": float(peak)}
 
     def close(self) -> None:
         """Stops the producer; unused batches go. Idle producer threads end at once (waited for up to

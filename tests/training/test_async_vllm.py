@@ -104,14 +104,11 @@ def test_killed_async_run_with_partial_rollouts_resumes_and_the_shared_server_ta
     assert proc.returncode == -signal.SIGKILL
     done = int(latest.read_text().strip().split("_")[1])
     assert server.weight_versions()[0] >= done  # the killed run had pushed its step-`done` weights or later
-    # Two generate calls were in flight: the producer's busy seconds, summed over its calls, exceed the wall
-    # time of the steps they overlapped (one call at a time is busy at most that long). Step 1 has start-up.
+    # Two generate calls were in flight at once in some step (the producer's count, not seconds: busy > wall was
+    # the old reading and failed in CI when the loaded machine's server finished a call within a training step)
     killed = _rows(run)
-    steps = [s for s in killed if s >= 2]
-    busy = sum(killed[s]["time_producer_busy"] for s in steps)
-    parts = ("time_generate", "time_old_logprobs", "time_update", "time_sync")
-    wall = sum(killed[s][k] for s in steps for k in parts)
-    assert steps and busy > wall, f"one call at a time? busy {busy:.2f} s in {wall:.2f} s of steps {steps}"
+    peaks = {s: killed[s]["producer_calls_peak"] for s in killed}
+    assert max(peaks.values()) == 2, f"never two calls in flight: peaks per step {peaks}"
 
     res = _train(run, [f"trainer.steps={done + 3}", *attach], resume=True)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -156,6 +156,22 @@ def test_a_call_spanning_two_steps_is_split_between_them():
         producer.close()
 
 
+def test_calls_peak_counts_the_generate_calls_in_flight_at_once():
+    """producer_calls_peak: 2 while both calls of a two-call producer are held in flight, and 2 again in the next
+    interval (calls still running count there too, not only where they started)."""
+    engine = Engine()
+    engine.gate = threading.Event()
+    producer = _producer(engine, 2, immediate_sync=True, calls=2)
+    try:
+        _wait_for(lambda: len(engine.started) == 2)
+        assert producer.take_times()["producer_calls_peak"] == 2.0
+        assert producer.take_times()["producer_calls_peak"] == 2.0  # both still in flight
+        engine.gate.set()
+        producer.batch(0)
+    finally:
+        producer.close()
+
+
 def test_an_engine_with_partial_rollouts_syncs_without_waiting():
     engine = Engine()
     engine.gate = threading.Event()
