@@ -18,7 +18,7 @@ _BAR_KEYS = ("reward_mean", "clip_frac_low_tok", "clip_frac_high_tok")
 ROLLOUT_COUNTS = ("groups_dropped", "groups_zero_variance_kept", "groups_stale", "reward_errors",
                   "multiturn_tool_calls", "multiturn_env_errors", "multiturn_turn_limit", "multiturn_token_limit")
 """Rollout statistics that are counts: summed over data-parallel replicas (the others are means over equal shares)."""
-ROLLOUT_MAXIMA = ("staleness_max", "multiturn_turns_max")
+ROLLOUT_MAXIMA = ("staleness_max", "multiturn_turns_max", "producer_calls_peak")
 """Rollout statistics that are maxima: the largest over data-parallel replicas."""
 
 

@@ -13,6 +13,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 TRAINER_WEIGHTS = "trainer"
 EXECUTOR_FLAG = "--distributed-executor-backend"
+WORKER_LAYOUT_FLAGS = (EXECUTOR_FLAG, "--config", "-tp", "--tensor-parallel-size", "-pp",
+                       "--pipeline-parallel-size", "-dp", "--data-parallel-size")
+"""Server arguments that choose the executor or the worker count themselves (a `--config` file may hold either,
+and vLLM puts its arguments before the command line's): a server given any of them keeps vLLM's own executor."""
 
 
 def engine_logprobs_problem(logprobs_mode: str, temperature: float, top_p: float, top_k: int) -> str | None:
@@ -169,9 +173,11 @@ class VLLMConfig(ServerConfig):
         """Whether launched servers get the in-process executor (worker_in_engine_core): one worker
         (tp_size 1), no CPU thread binding (which only vLLM's multiprocess executor applies, by setting
         OpenMP's environment before it starts the worker: v1/executor/multiproc_executor.py,
-        OMPProcessManager), and no executor of the user's own in extra_server_args."""
-        return (self.worker_in_engine_core and self.tp_size == 1 and self.cpu_threads_bind == "nobind"
-                and not any(a.split("=", 1)[0] == EXECUTOR_FLAG for a in self.extra_server_args))
+        OMPProcessManager; `server_env` may set it too), and no executor or worker count of the user's own in
+        extra_server_args (WORKER_LAYOUT_FLAGS: UniProcExecutor would start only rank 0 of a -tp 2)."""
+        bind = self.server_env.get("VLLM_CPU_OMP_THREADS_BIND", self.cpu_threads_bind)
+        return (self.worker_in_engine_core and self.tp_size == 1 and bind == "nobind"
+                and not any(a.split("=", 1)[0] in WORKER_LAYOUT_FLAGS for a in self.extra_server_args))
 
     @property
     def capture_spec(self) -> RoutingSpec | None:

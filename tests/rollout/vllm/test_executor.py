@@ -25,6 +25,17 @@ def test_vllms_own_executor_otherwise(change):
     assert _executor(server_command(VLLMConfig(model_path="m", **change), 0)) == []
 
 
+@pytest.mark.parametrize("change", [dict(extra_server_args=["-tp", "2"]),
+                                    dict(extra_server_args=["--tensor-parallel-size=2"]),
+                                    dict(extra_server_args=["--data-parallel-size", "2"]),
+                                    dict(extra_server_args=["--config", "serve.yaml"]),
+                                    dict(server_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"})])
+def test_a_worker_count_or_binding_of_the_users_own_keeps_vllms_executor(change):
+    """UniProcExecutor starts rank 0 only (a -tp 2 server would wait for a rank that never starts) and drops the
+    thread binding that only the multiprocess executor applies (found in review)."""
+    assert _executor(server_command(VLLMConfig(model_path="m", **change), 0)) == []
+
+
 @pytest.mark.parametrize(
     "args", [["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=ray"]]
 )
