@@ -45,7 +45,7 @@ class MoEConfig:
         if not _is_int(self.drift_sample_sequences) or self.drift_sample_sequences < 0:
             raise ValueError(
                 f"moe.drift_sample_sequences={self.drift_sample_sequences!r} must be an integer >= 0 "
-                "(0 = the whole first minibatch)"
+                "(0 = the whole drift minibatch)"
             )
 
     @classmethod

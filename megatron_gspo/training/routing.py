@@ -7,12 +7,14 @@ Drift: routes of the drift sample under pi_old (before the step) vs after exactl
 response tokens: 1 - mean |S_old ∩ S_new| / k, plus the fraction of tokens whose set changed in any layer
 (`expert_drift*`); the same after all K optimizer steps of the rollout batch (`expert_drift_rollout*`).
 The drift sample is a minibatch's sequences (or its first `moe.drift_sample_sequences`), routed under pi_old in
-the old-policy pass (which records them). Which minibatch (`RoutingControl.drift_minibatch`): with free routing
-(no replay) and K >= 2 the second one, whose own training forward runs after exactly one optimizer step (the
-first minibatch's) and routes freely, so recording that forward gives the "after" routes at no extra forward;
-otherwise (K = 1, or R2 / R3, whose training forwards replay routes) the first, routed again by one extra
-forward-only pass after the first optimizer step. Both are the same statistic of an equally drawn sample: the
-minibatches are contiguous slices of one rollout batch whose groups are in a random order.
+the old-policy pass (which records them). Which minibatch (`RoutingControl.drift_minibatch`): with K >= 2 the
+second one, for every routing mode: it is the first not trained on by the step being measured (minibatch 0's), so
+the statistic is the same whether or not replay is on. With free routing its own training forward runs after
+exactly one optimizer step and routes freely: recording that forward gives the "after" routes at no extra forward.
+R2 / R3 training forwards replay routes, so there one forward-only pass of that minibatch right after the first
+optimizer step routes it again. K = 1 has only minibatch 0 (trained on by the step: measured by that extra
+forward too). Results at the commits before 9009678 measured minibatch 0 for every mode (also one statistic
+across modes: results/stability_moe).
 Drift and routing mismatch are statistics of all data-parallel replicas' tokens together (not rank 0's share).
 """
 
@@ -62,10 +64,13 @@ class RoutingControl:
         self.rr.set_microbatch(mb.seq_index_N.tolist(), layout)
 
     def drift_minibatch(self, minibatches: int) -> int:
-        """The minibatch (0-based) whose sequences the drift is measured on: 1 when its training forward can give
-        the "after" routes (free routing, K >= 2: it runs after exactly one optimizer step, that of minibatch 0),
-        else 0 (an extra forward after the first optimizer step routes them again)."""
-        return 1 if minibatches >= 2 and not self.moe.replays else 0
+        """The minibatch (0-based) whose sequences the drift is measured on (module doc): 1 when there are two."""
+        return 1 if minibatches >= 2 else 0
+
+    def drift_in_training_forward(self, minibatches: int) -> bool:
+        """Whether the drift minibatch's own training forward gives the "after" routes (free routing, K >= 2);
+        otherwise one forward-only pass right after the first optimizer step does."""
+        return minibatches >= 2 and not self.moe.replays
 
     def records_old_policy(self, measure: bool) -> bool:
         """Whether the old-policy pass records routes: always for R2 (training replays them); with replay off only

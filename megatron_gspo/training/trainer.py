@@ -345,14 +345,15 @@ class GSPOTrainer:
         fwd = policy_forward_step(loss_fn, vocab, temp, self.routing.before_forward, logprob_path=t.logprob_path,
                                   consumer_version=self.step)
         sample = None
-        # The minibatch the drift is measured on (routing.py): 1 = its own training forward records the "after"
-        # routes (free routing, after exactly one optimizer step); 0 = an extra forward after the first step.
+        # The minibatch the drift is measured on (routing.py): with free routing its own training forward records
+        # the "after" routes (after exactly one optimizer step); else one extra forward after the first step.
         measure = self.routing.active and self.moe.measure_drift(self.step + 1)
         drift_k = self.routing.drift_minibatch(t.minibatches) if measure else -1
+        own = measure and self.routing.drift_in_training_forward(t.minibatches)
         for k, (minibatch, micro) in enumerate(self.micro_batcher.minibatches(batch, t.minibatches)):
             seq_length, mbs = schedule_shape(micro)
             # megatron's RouterReplay RECORD routes as free routing does (the same top-k), and keeps the ids.
-            records = k == drift_k and k > 0
+            records = own and k == drift_k
             with self.routing.record() if records else self.routing.training_pass() as recording:
                 parts = forward_backward(self.rt.chunks, micro, fwd, seq_length=seq_length, micro_batch_size=mbs,
                                          units_of=policy_units(loss_fn))
@@ -365,8 +366,8 @@ class GSPOTrainer:
                 # minibatch's ratios against the engine's log-probs are the train / inference mismatch.
                 engine_mismatch = dict(loss_metrics)
             ok, grad_norm = self._optimizer_step()
-            if k == drift_k == 0:
-                sample = drift_rows(minibatch, self.moe.drift_sample_sequences)
+            if measure and not own and k == 0:
+                sample = drift_sample(batch, t.minibatches, self.moe.drift_sample_sequences, index=drift_k)
                 drift = self.measure_drift(sample)
             metrics.append(
                 {

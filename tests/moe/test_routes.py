@@ -140,3 +140,24 @@ def test_from_sequences_checks_every_sequence_and_names_the_first_faulty_one():
         RouteStore.from_sequences([good[0], good[1].float()], num_experts=8)
     empty = RouteStore.from_sequences([torch.zeros(0, 3, 2, dtype=torch.uint8), good[0]], num_experts=8)
     assert empty[0].shape == (0, 3, 2)
+
+
+@pytest.mark.parametrize("chunk_ids", [1, 7, 12, 1 << 22])
+def test_from_sequences_checks_in_chunks_and_still_finds_a_fault_in_the_last_one(monkeypatch, chunk_ids):
+    """The all-at-once check runs on chunks of about CHECK_CHUNK_IDS ids (its int64 copy and sort of a whole
+    batch's routes would take ~3x 8 bytes per id at once): a fault in any chunk, the last included, is named."""
+    import megatron_gspo.moe.routes as routes_module
+
+    monkeypatch.setattr(routes_module, "CHECK_CHUNK_IDS", chunk_ids)
+    good = [random_routes(3, seed=s) for s in range(5)]  # 18 ids each
+    store = RouteStore.from_sequences(good, num_experts=8)
+    assert all(torch.equal(store[i], good[i]) for i in range(5))
+    for faulty in (0, 4):
+        bad = list(good)
+        bad[faulty] = torch.full((1, 3, 2), 8, dtype=torch.uint8)
+        with pytest.raises(ValueError, match=f"sequence {faulty} hold expert ids outside"):
+            RouteStore.from_sequences(bad, num_experts=8)
+        repeated = list(good)
+        repeated[faulty] = torch.zeros(1, 3, 2, dtype=torch.uint8)
+        with pytest.raises(ValueError, match=f"sequence {faulty} repeat an expert"):
+            RouteStore.from_sequences(repeated, num_experts=8)

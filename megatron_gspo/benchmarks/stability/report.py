@@ -309,7 +309,8 @@ def write_report(
         "",
         f"- {COLLAPSE_RULE}",
         "- Expert drift (GSPO paper §5.3): 1 - mean |S_old ∩ S_new| / k over the response tokens and MoE layers of "
-        "the first minibatch, top-k sets under pi_old vs after the first optimizer step of the rollout batch; "
+        "one minibatch (the second at K >= 2, the first at K = 1; rows made before commit 9009678: the first), "
+        "top-k sets under pi_old vs after the first optimizer step of the rollout batch; "
         "tokens changed: the fraction of those tokens whose top-k set changed in at least one layer. Means over "
         "the RL steps whose first update ran at the peak learning rate (after warm-up). Per rollout batch: the "
         "same sample's pi_old routes vs the routes after all K optimizer steps of the rollout batch.",
