@@ -16,7 +16,6 @@ from megatron_gspo.batching.bin_packing import (
 from megatron_gspo.batching.dp_balance import deal
 from megatron_gspo.batching.inputs import packed_inputs, padded_inputs
 from megatron_gspo.batching.logprobs import scatter_to_rows
-from megatron_gspo.models.attention import attention_blocks, block_causal_mask
 from megatron_gspo.rollout.types import Rollout
 
 
@@ -74,28 +73,6 @@ def test_pack_length_can_be_shared_and_is_checked():
         packed_inputs(batch, length=8)
     with pytest.raises(ValueError, match="multiple of 4"):
         packed_inputs(batch, multiple=4, length=14)
-
-
-def test_attention_blocks_group_short_sequences_and_isolate_long_ones():
-    cu = [0, 3, 5, 305, 306, 310]
-    assert attention_blocks(cu, block_tokens=8) == [(0, 5, [0, 3]), (5, 305, [0]), (305, 310, [0, 1])]
-    assert attention_blocks([0, 2, 2, 4], block_tokens=8) == [(0, 4, [0, 2])]  # empty segments skipped
-    mask = block_causal_mask(5, [0, 3], "cpu")
-    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]])
-    assert torch.equal(mask, expected.bool())
-
-
-def test_block_causal_mask_against_a_per_pair_reference():
-    import random
-
-    rng = random.Random(3)
-    for _ in range(20):
-        lengths = [rng.randint(1, 6) for _ in range(rng.randint(1, 12))]
-        cuts = [sum(lengths[:i]) for i in range(len(lengths))]
-        total = sum(lengths)
-        seq_of = [i for i, n in enumerate(lengths) for _ in range(n)]
-        want = [[seq_of[q] == seq_of[k] and k <= q for k in range(total)] for q in range(total)]
-        assert torch.equal(block_causal_mask(total, cuts, "cpu"), torch.tensor(want))
 
 
 def test_balanced_bins_and_token_budget():
