@@ -14,6 +14,40 @@ import sys
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+"""Ctrl-C's, Slurm's stop / preemption and requeue signals: they reach every process of a job step (scancel
+signals them all; a terminal the whole process group), helpers the trainer spawned included. The trainer decides
+when to stop and still needs its helpers (reward workers, the checkpoint results queue) for the step it
+finishes: they ignore these (`ignore_stop_signals`)."""
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Around the spawn of a helper that will ignore STOP_SIGNALS: blocked in the calling thread, so the child
+    (fork + exec keep the signal mask) starts with them blocked until `ignore_stop_signals`, instead of dying of
+    one in the 0.1-1 s its interpreter takes to get there (CI at 3c6a38f: a scancel's SIGTERM killed a starting
+    reward worker and the run failed instead of writing its stop checkpoint). Other threads, the main one with
+    the trainer's handlers among them, still take them; one aimed at this thread waits until the block ends."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def ignore_stop_signals() -> None:
+    """In a helper spawned under `stop_signals_blocked`: ignores STOP_SIGNALS, then unblocks them (one that came
+    meanwhile is pending and, ignored now, dropped)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def start_helper(parent_pid: int) -> None:
+    """First thing a spawned helper of the trainer does: ignore the stop signals and die with the trainer."""
+    ignore_stop_signals()
+    die_with_parent(parent_pid)
+
 
 def die_with_parent(parent_pid: int) -> None:
     """Linux: the kernel SIGKILLs this process when its parent exits (prctl PR_SET_PDEATHSIG; strictly, when the

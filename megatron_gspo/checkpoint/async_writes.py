@@ -42,6 +42,7 @@ import psutil
 import torch.distributed as dist
 
 from megatron_gspo.process_tree import die_with_parent as _die_with_parent
+from megatron_gspo.process_tree import start_helper, stop_signals_blocked
 
 
 def _write_parts(parts: list, trainer_pid: int, after, rank: int, staged: list, _unused) -> None:
@@ -75,7 +76,10 @@ def results_queue_dying_with_us() -> None:
     if filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(_die_with_parent, (os.getpid(),))  # process_tree: stdlib only, no torch in the manager
+    # process_tree: stdlib only, no torch in the manager. It ignores the job's stop signals (Slurm's SIGTERM
+    # reaches it too; the trainer's stop checkpoint still needs the queue), blocked from its spawn on.
+    with stop_signals_blocked():
+        manager.start(start_helper, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
 
 

@@ -13,7 +13,8 @@ and the few whose results were still unsent (at most FLUSH_S of work) run again 
 
 Workers are spawned, not forked: the trainer holds threads and process-group sockets. They ignore SIGINT, SIGTERM
 and SIGUSR1 (Ctrl-C and Slurm's signals reach the whole process group; the trainer decides when to stop and still
-needs its rewards for the step it finishes), and die with the trainer: Linux's parent-death signal where available,
+needs its rewards for the step it finishes) from their first instruction (process_tree.stop_signals_blocked), and
+die with the trainer: Linux's parent-death signal where available,
 else when their pipe closes or their parent changes.
 """
 
@@ -33,6 +34,8 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+from megatron_gspo.process_tree import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,7 @@ def _die_with_parent(parent: int) -> None:
 def _serve(conn, fn_bytes: bytes, parent: int, running) -> None:
     """Worker main loop: `ready`, then for each chunk of (index, response, answer, meta) lists of (index, Outcome),
     sent every FLUSH_S and when the chunk is done. `running` [index, start] names the call in progress."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()  # blocked since the spawn (_Worker)
     _die_with_parent(parent)
     try:
         fn = pickle.loads(fn_bytes)
@@ -135,7 +137,8 @@ class _Worker:
             target=_serve, args=(child, fn_bytes, os.getpid(), self.running), name=f"reward-worker-{number}",
             daemon=False,
         )
-        self.proc.start()
+        with stop_signals_blocked():  # the child starts with them blocked (module doc)
+            self.proc.start()
         child.close()
         self.started = time.monotonic()
         self.ready = False

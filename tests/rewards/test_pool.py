@@ -171,3 +171,27 @@ def test_a_sharing_scorers_window_counts_in_the_owner_once_added():
     scorer.add_window(1, 0, None)
     scorer.add_window(*window)
     assert scorer.take_window() == (3, 2, window[2])
+
+
+def test_stop_signals_reaching_a_worker_while_it_starts_do_not_kill_it(monkeypatch):
+    """Slurm's scancel / preemption SIGTERM, Ctrl-C's SIGINT and the requeue SIGUSR1 reach every process of the job
+    step, reward workers included, also in the ~0.1-1 s a spawned worker takes to reach its own handlers (CI at
+    3c6a38f: 'a worker process exited while starting (exit code -15)' instead of the stop checkpoint). Real signals
+    sent the moment each worker is spawned: the workers live and score the batch."""
+    import signal
+
+    from megatron_gspo.rewards import pool
+
+    spawned = []
+    start = pool._Worker.__init__
+
+    def signalled(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            os.kill(self.proc.pid, sig)
+        spawned.append(self)
+
+    monkeypatch.setattr(pool._Worker, "__init__", signalled)
+    rewards, (calls, errors, first), scorer = _scored(misbehaving.sleepy, ["1", "2", "3", "4"])
+    assert len(spawned) == 2 and scorer.pool.restarts == 0, first
+    assert rewards == [1.0] * 4 and (calls, errors) == (4, 0), first
