@@ -28,6 +28,12 @@ def stop_signals_blocked():
     one in the 0.1-1 s its interpreter takes to get there (CI at 3c6a38f: a scancel's SIGTERM killed a starting
     reward worker and the run failed instead of writing its stop checkpoint). Other threads, the main one with
     the trainer's handlers among them, still take them; one aimed at this thread waits until the block ends."""
+    # multiprocessing's spawn starts its resource tracker on first use, blocking SIGINT / SIGTERM around that and
+    # UNBLOCKING them after (CPython 3.11 resource_tracker.ensure_running): inside our block that would unblock
+    # them for the first helper. Started here first, it is a no-op inside (found in review).
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield

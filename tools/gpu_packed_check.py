@@ -58,7 +58,7 @@ def one_segment(micro: list) -> list:
         if p.cu_seqlens_q_padded is not None:
             fields.update(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
         if hasattr(p, "cu_seqlens_host"):  # the local spec's packed attention (models/attention.py)
-            fields.update(cu_seqlens_host=(0, total), _blocks=None, _masks={})
+            fields.update(cu_seqlens_host=(0, total))  # its group cache is not copied (init=False)
         params = dataclasses.replace(p, **fields)
         out.append(dataclasses.replace(mb, inputs=dataclasses.replace(mb.inputs, packed_seq_params=params)))
     return out

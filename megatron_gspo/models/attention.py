@@ -79,7 +79,8 @@ class PackedAttentionParams(PackedSeqParams):
 
     cu_seqlens_host: tuple[int, ...] | None = None
     """cu_seqlens_q as Python ints."""
-    _groups: dict = field(default_factory=dict, repr=False)
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Per (device, cu_seqlens_host): a copy (dataclasses.replace) starts with its own, empty cache."""
 
     def host(self) -> tuple[int, ...]:
         if self.cu_seqlens_host is None:
@@ -87,7 +88,7 @@ class PackedAttentionParams(PackedSeqParams):
         return self.cu_seqlens_host
 
     def groups(self, device) -> AttentionGroups:
-        key = str(device)
+        key = (str(device), self.host())
         if key not in self._groups:
             self._groups[key] = attention_groups(list(self.host()), device)
         return self._groups[key]

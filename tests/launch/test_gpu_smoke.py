@@ -277,3 +277,14 @@ def test_cpu_dry_mode_runs_the_cpu_forms(smoke, tmp_path):
     lines = {line.split()[1]: line for line in proc.stdout.splitlines() if line.startswith("== ")}
     assert "-m gpu" not in lines["overlap"] and "--preset tiny" in lines["shapes"]
     assert "model.dtype=bf16" not in lines["resume"] and "CPU dry mode: torch 2.13.0" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_packed_parts_check_runs_for_real_on_cpu():
+    """tools/gpu_packed_check.py (the `packed` part) runs on CPU with the local spec: run for real here, so a change
+    to the packed attention's params cannot break the GPU part unseen (42e239a did: found in review), and its
+    negative control must still fail the tolerance it checks against."""
+    out = subprocess.run([sys.executable, str(SCRIPT.parent / "gpu_packed_check.py")], capture_output=True,
+                         text=True, timeout=600, cwd=SCRIPT.parents[1])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "packed check: OK (local spec on cpu" in out.stdout

@@ -77,3 +77,18 @@ def test_cu_seqlens_that_miss_tokens_are_refused():
                                    max_seqlen_kv=2)
     with pytest.raises(ValueError, match=r"cover all T tokens"):
         PackedDotProductAttention.forward(_module(), q, q[:, :2], q[:, :2], None, packed_seq_params=params)
+
+
+def test_a_copy_of_the_params_does_not_share_the_group_cache():
+    """tools/gpu_packed_check.py declares each pack as one sequence with dataclasses.replace: the copy's groups are
+    its own (a shared cache would hand one of them the other's groups; found in review)."""
+    import dataclasses
+
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    p = PackedAttentionParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=3, max_seqlen_kv=3,
+                              cu_seqlens_host=(0, 2, 5))
+    one = torch.tensor([0, 5], dtype=torch.int32)
+    q = dataclasses.replace(p, cu_seqlens_q=one, cu_seqlens_kv=one, cu_seqlens_host=(0, 5))
+    assert q.groups("cpu").shapes == ((1, 5),)
+    assert p.groups("cpu").shapes == ((2, 3),)
+    assert q._groups is not p._groups
