@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -178,6 +179,10 @@ class RewardPool:
         self.slow_warning_s = float(slow_warning_s)
         self._fn_bytes = pickle.dumps(fn)
         self._ctx = multiprocessing.get_context("spawn")
+        # Every worker is spawned from this one thread, alive until close: Linux's parent-death signal fires when
+        # the thread that forked a worker ends, and a replacement spawned from a producer thread (async rollouts)
+        # was SIGKILLed when that thread ended (found in review).
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-spawner-{name}")
         self._started = 0
         self._workers = [self._new_worker() for _ in range(workers)]
         self.timeouts = 0
@@ -196,7 +201,7 @@ class RewardPool:
 
     def _new_worker(self) -> _Worker:
         self._started += 1
-        return _Worker(self._ctx, self._fn_bytes, self._started)
+        return self._spawner.submit(_Worker, self._ctx, self._fn_bytes, self._started).result()
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
@@ -340,4 +345,5 @@ class RewardPool:
         for w in workers:
             w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
             w.kill()
+        self._spawner.shutdown(wait=False)
         atexit.unregister(self.close)

@@ -3,6 +3,7 @@ errors, and the rest of the batch is scored as usual."""
 
 import logging
 import os
+import time
 
 import pytest
 
@@ -195,3 +196,26 @@ def test_stop_signals_reaching_a_worker_while_it_starts_do_not_kill_it(monkeypat
     rewards, (calls, errors, first), scorer = _scored(misbehaving.sleepy, ["1", "2", "3", "4"])
     assert len(spawned) == 2 and scorer.pool.restarts == 0, first
     assert rewards == [1.0] * 4 and (calls, errors) == (4, 0), first
+
+
+def test_a_worker_replaced_from_a_thread_that_ends_lives_on():
+    """Linux's parent-death signal fires when the thread that spawned a worker ends, not the process: a
+    replacement made from a producer thread (asynchronous rollouts score there) must outlive that thread
+    (found in review: it was SIGKILLed with it, and the next scoring lost a call to a dead worker)."""
+    import threading
+
+    from megatron_gspo.rewards.pool import RewardPool
+
+    pool = RewardPool(misbehaving.sleepy, workers=1, timeout_s=5.0)
+    try:
+        # replaced and used in the thread: the worker set its parent-death signal while the thread lived
+        thread = threading.Thread(target=lambda: (pool._replace(pool._workers[0]), pool.map([("0", "0", {})])))
+        thread.start()
+        thread.join(30)
+        time.sleep(0.5)  # time for a parent-death SIGKILL to land
+        (worker,) = pool._workers
+        assert worker.proc.is_alive(), worker.proc.exitcode
+        outcomes = pool.map([("1", "1", {}), ("2", "2", {})])
+        assert [o.value for o in outcomes] == [1.0, 1.0] and pool.restarts == 1
+    finally:
+        pool.close()
