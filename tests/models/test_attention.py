@@ -43,8 +43,10 @@ def _module():
     return types.SimpleNamespace(training=True, config=config, softmax_offset=None, softmax_scale=None)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_packed_attention_is_per_sequence_causal_attention_values_and_gradients(seed):
+def test_packed_attention_is_per_sequence_causal_attention_values_and_gradients(seed, dtype, tol):
+    """fp32, and bf16 as a cluster's activations are (against the float64 reference of the same bf16 inputs)."""
     rng = random.Random(seed)
     lengths = [rng.choice([0, 1, 2, rng.randint(3, 12), rng.randint(13, 40)]) for _ in range(rng.randint(1, 14))]
     lengths.append(rng.randint(1, 5))  # at least one token
@@ -52,22 +54,23 @@ def test_packed_attention_is_per_sequence_causal_attention_values_and_gradients(
     for n in lengths:
         cu.append(cu[-1] + n)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(cu[-1], 4, 8, generator=gen, requires_grad=True)
-    k = torch.randn(cu[-1], 2, 8, generator=gen, requires_grad=True)
-    v = torch.randn(cu[-1], 2, 8, generator=gen, requires_grad=True)
+    q = torch.randn(cu[-1], 4, 8, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(cu[-1], 2, 8, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(cu[-1], 2, 8, generator=gen).to(dtype).requires_grad_()
     params = PackedAttentionParams(qkv_format="thd", cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
                                    cu_seqlens_kv=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=max(lengths),
                                    max_seqlen_kv=max(lengths))
     out = PackedDotProductAttention.forward(_module(), q, k, v, None, packed_seq_params=params)
-    assert out.shape == (cu[-1], 32)
+    assert out.shape == (cu[-1], 32) and out.dtype == dtype
     ref = _reference(q, k, v, cu, 1 / math.sqrt(8))
-    torch.testing.assert_close(out.double().view(-1, 4, 8), ref, atol=1e-6, rtol=1e-6)
-    weights = torch.randn(out.shape, generator=gen)
+    torch.testing.assert_close(out.double().view(-1, 4, 8), ref, atol=tol / 10, rtol=tol / 10)
+    weights = torch.randn(out.shape, generator=gen).to(dtype)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v))
     want = torch.autograd.grad((ref * weights.double().view(-1, 4, 8)).sum(), (q, k, v))
     for name, g, w in zip("qkv", got, want):
         assert w.abs().max() > 0, name
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(g.double(), w.double(), atol=tol, rtol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_cu_seqlens_that_miss_tokens_are_refused():

@@ -145,7 +145,9 @@ def test_from_sequences_checks_every_sequence_and_names_the_first_faulty_one():
 @pytest.mark.parametrize("chunk_ids", [1, 7, 12, 1 << 22])
 def test_from_sequences_checks_in_chunks_and_still_finds_a_fault_in_the_last_one(monkeypatch, chunk_ids):
     """The all-at-once check runs on chunks of about CHECK_CHUNK_IDS ids (its int64 copy and sort of a whole
-    batch's routes would take ~3x 8 bytes per id at once): a fault in any chunk, the last included, is named."""
+    batch's routes would take ~3x 8 bytes per id at once): a fault in any chunk, the last included, is named.
+    The chunk size is shrunk here (a parameter, not a stand-in: the real 4M ids would need batches far larger than
+    a unit test should build) so the faults land in the first, a middle and the last chunk."""
     import megatron_gspo.moe.routes as routes_module
 
     monkeypatch.setattr(routes_module, "CHECK_CHUNK_IDS", chunk_ids)

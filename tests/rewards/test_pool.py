@@ -178,7 +178,10 @@ def test_stop_signals_reaching_a_worker_while_it_starts_do_not_kill_it(monkeypat
     """Slurm's scancel / preemption SIGTERM, Ctrl-C's SIGINT and the requeue SIGUSR1 reach every process of the job
     step, reward workers included, also in the ~0.1-1 s a spawned worker takes to reach its own handlers (CI at
     3c6a38f: 'a worker process exited while starting (exit code -15)' instead of the stop checkpoint). Real signals
-    sent the moment each worker is spawned: the workers live and score the batch."""
+    sent the moment each worker is spawned: the workers live and score the batch. The wrapper around
+    `_Worker.__init__` stands in for no component, only for the timing: it sends the signals inside the start-up
+    window, which a real `scancel` hits by chance (tests/launch/test_slurm_jobs.py's scancel test hit it once in
+    CI); processes, signals and the pool are the real ones."""
     import signal
 
     from megatron_gspo.rewards import pool

@@ -11,8 +11,8 @@ from tests.distributed import run_distributed
 from tests.training.trainer_ranks import drift_step
 
 
-def _expected_drift(before: dict, after: dict, rows: dict, topk: int) -> tuple[float, int]:
-    """1 - mean over layers of (sum over counted tokens of |S_before ∩ S_after|) / (k * tokens)."""
+def _overlaps(before: dict, after: dict, rows: dict) -> tuple[list[int], int]:
+    """Per layer, the sum over counted tokens of |S_before ∩ S_after|; and the number of tokens."""
     layers = len(next(iter(before.values()))[0])
     overlap, tokens = [0] * layers, 0
     for i, counted in rows.items():
@@ -20,7 +20,13 @@ def _expected_drift(before: dict, after: dict, rows: dict, topk: int) -> tuple[f
             tokens += 1
             for layer in range(layers):
                 overlap[layer] += len(set(before[i][t][layer]) & set(after[i][t][layer]))
-    return sum(1 - o / (topk * tokens) for o in overlap) / layers, tokens
+    return overlap, tokens
+
+
+def _expected_drift(before: dict, after: dict, rows: dict, topk: int) -> tuple[float, int]:
+    """1 - mean over layers of (sum over counted tokens of |S_before ∩ S_after|) / (k * tokens)."""
+    overlap, tokens = _overlaps(before, after, rows)
+    return sum(1 - o / (topk * tokens) for o in overlap) / len(overlap), tokens
 
 
 @pytest.mark.parametrize("overrides, minibatch, extra_forward", [
@@ -70,6 +76,27 @@ def test_drift_from_the_training_forward_in_model_parallel_layouts(tmp_path, lay
 
     want, tokens = _expected_drift(merged("before"), merged("after"), stages[order[0]]["rows"][1], ranks[0]["topk"])
     assert want > 0
+    for r in ranks:
+        assert r["passes"] == 0
+        assert r["drift"]["expert_drift_num_tokens"] == tokens
+        assert r["drift"]["expert_drift"] == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_drift_from_the_training_forward_on_two_data_parallel_ranks_with_the_overlapping_distributed_optimizer(
+        tmp_path):
+    """DP = 2 with the distributed optimizer and both overlap flags (what a cluster runs) and the router aux loss on:
+    each rank records its share of the second minibatch in its training forward, after the first optimizer step's
+    parameter all-gather (overlap_param_gather finishes it in forward pre-hooks); the drift is one statistic of
+    both ranks' tokens, computed here from each rank's own independent forwards before and after that step."""
+    overrides = ["optim.distributed=true", "optim.overlap_grad_reduce=true", "optim.overlap_param_gather=true",
+                 "model.overrides.router_aux_loss_coef=0.001"]
+    ranks = run_distributed(drift_step, str(tmp_path / "r"), overrides, True, world_size=2)
+    parts = [_overlaps(r["probe"]["before"][1], r["probe"]["after"][1], r["probe"]["rows"][1]) for r in ranks]
+    tokens = sum(n for _, n in parts)
+    overlap = [sum(o[layer] for o, _ in parts) for layer in range(len(parts[0][0]))]
+    want = sum(1 - o / (ranks[0]["topk"] * tokens) for o in overlap) / len(overlap)
+    assert want > 0 and all(n > 0 for _, n in parts)
     for r in ranks:
         assert r["passes"] == 0
         assert r["drift"]["expert_drift_num_tokens"] == tokens
