@@ -27,16 +27,15 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import signal
 import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from megatron_gspo.process_tree import ignore_stop_signals, stop_signals_blocked
+from megatron_gspo.process_tree import start_helper, stop_signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +76,11 @@ def call_reward(fn: Callable[[str, str, dict], Any], response: str, answer: str,
 # ---------------------------------------------------------------------------------------------------------
 # Worker side
 # ---------------------------------------------------------------------------------------------------------
-def _die_with_parent(parent: int) -> None:
-    try:  # Linux: SIGKILL this process when its parent dies, even while the reward spins in C code
-        import ctypes
+def _watch_parent(parent: int) -> None:
+    """Beside process_tree's parent-death signal (Linux; it SIGKILLs a worker even while the reward spins in C
+    code): elsewhere, notice the re-parenting."""
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:  # elsewhere: notice the re-parenting
+    def watch() -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
@@ -97,8 +92,8 @@ def _die_with_parent(parent: int) -> None:
 def _serve(conn, fn_bytes: bytes, parent: int, running) -> None:
     """Worker main loop: `ready`, then for each chunk of (index, response, answer, meta) lists of (index, Outcome),
     sent every FLUSH_S and when the chunk is done. `running` [index, start] names the call in progress."""
-    ignore_stop_signals()  # blocked since the spawn (_Worker)
-    _die_with_parent(parent)
+    start_helper(parent)  # stop signals ignored (blocked since the spawn: _Worker), dies with the trainer
+    _watch_parent(parent)
     try:
         fn = pickle.loads(fn_bytes)
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which names the reward
